@@ -1,0 +1,21 @@
+"""Compressed tangents and cotangents for JAX."""
+
+import importlib.metadata
+
+from ._base import CompressedArray as CompressedArray, materialise as materialise
+from ._fallback import (
+    DensificationError as DensificationError,
+    DensificationWarning as DensificationWarning,
+    fallback as fallback,
+    fallback_counts as fallback_counts,
+    fallback_mode as fallback_mode,
+    rank_budget as rank_budget,
+    rank_budget_counts as rank_budget_counts,
+    reset_fallback_counts as reset_fallback_counts,
+)
+from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
+from ._types.quantized import Quantized as Quantized, quantize as quantize
+from ._types.signnorm import SignNorm as SignNorm, sign_norm as sign_norm
+from ._types.sparse import Sparse as Sparse, top_k as top_k
+
+__version__ = importlib.metadata.version("quax-tangents")

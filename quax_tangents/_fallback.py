@@ -1,0 +1,158 @@
+"""The one place a compressed value is allowed to become dense.
+
+Every rule that gives up compression, and the shared `default` rule that runs when no
+rule matches, calls `record_densification`. It counts the event per (primitive, type)
+and applies the active mode. The LowRank rank budget lives here too, since it is the
+same kind of decision: keep compressing, or pay for a dense array.
+"""
+
+import contextlib
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from typing import Literal
+
+FallbackMode = Literal["warn", "error", "silent"]
+BudgetAction = Literal["densify", "recompress"]
+_MODES = ("warn", "error", "silent")
+_ACTIONS = ("densify", "recompress")
+
+
+class DensificationError(RuntimeError):
+    """Raised under `fallback("error")` when a compressed value would become dense."""
+
+
+class DensificationWarning(UserWarning):
+    """Warned (once per primitive and type) under `fallback("warn")`."""
+
+
+class _Settings(threading.local):
+    def __init__(self) -> None:
+        self.mode: FallbackMode = "warn"
+        self.budget_action: BudgetAction = "densify"
+        self.max_rank: int | None = None
+
+
+_settings = _Settings()
+_densify_counts: Counter = Counter()
+_budget_counts: Counter = Counter()
+_warned: set = set()
+
+
+@contextlib.contextmanager
+def fallback(mode: FallbackMode) -> Iterator[None]:
+    """Sets what happens when a compressed value has to be materialised.
+
+    Counting happens while JAX traces, so under `jax.jit` an event is counted once per
+    compilation, not once per call.
+
+    **Arguments:**
+
+    - `mode`: `"warn"` (the default outside this context; warns once per primitive and
+        type), `"error"` (raises `DensificationError` naming the primitive and the
+        type) or `"silent"` (only counts).
+
+    **Returns:**
+
+    A context manager.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
+    previous = _settings.mode
+    _settings.mode = mode
+    try:
+        yield
+    finally:
+        _settings.mode = previous
+
+
+@contextlib.contextmanager
+def rank_budget(
+    action: BudgetAction = "densify", *, max_rank: int | None = None
+) -> Iterator[None]:
+    """Sets what happens when concatenating `LowRank` factors exceeds the budget.
+
+    The budget is exceeded when the factors stop saving memory, `r * (m + n) >= m * n`,
+    or when `r > max_rank` if `max_rank` is given.
+
+    **Arguments:**
+
+    - `action`: `"densify"` (exact; counted as a densification and subject to the
+        fallback mode) or `"recompress"` (lossy; a truncated SVD of the factors to the
+        largest rank within budget, the best approximation of that rank; counted in
+        `rank_budget_counts()`).
+    - `max_rank`: an optional hard cap on the rank.
+
+    **Returns:**
+
+    A context manager.
+    """
+    if action not in _ACTIONS:
+        raise ValueError(f"`action` must be one of {_ACTIONS}, got {action!r}.")
+    if max_rank is not None and (not isinstance(max_rank, int) or max_rank < 1):
+        raise ValueError(f"`max_rank` must be a positive int or None, got {max_rank!r}.")
+    previous = (_settings.budget_action, _settings.max_rank)
+    _settings.budget_action, _settings.max_rank = action, max_rank
+    try:
+        yield
+    finally:
+        _settings.budget_action, _settings.max_rank = previous
+
+
+def fallback_mode() -> FallbackMode:
+    """The active fallback mode."""
+    return _settings.mode
+
+
+def budget_settings() -> tuple[BudgetAction, int | None]:
+    """The active rank-budget action and `max_rank`."""
+    return _settings.budget_action, _settings.max_rank
+
+
+def fallback_counts() -> dict[tuple[str, str], int]:
+    """How often each (primitive name, type name) pair was densified since the last
+    `reset_fallback_counts()`."""
+    return dict(_densify_counts)
+
+
+def rank_budget_counts() -> dict[tuple[str, str], int]:
+    """How often each (primitive name, action) hit the LowRank rank budget."""
+    return dict(_budget_counts)
+
+
+def reset_fallback_counts() -> None:
+    """Clears the counters (and the warn-once memory) of densifications and budget
+    events."""
+    _densify_counts.clear()
+    _budget_counts.clear()
+    _warned.clear()
+
+
+def record_densification(primitive: str, type_names: tuple[str, ...], reason: str) -> None:
+    """Counts one densification of each named type and applies the fallback mode."""
+    for type_name in type_names:
+        key = (primitive, type_name)
+        _densify_counts[key] += 1
+        message = (
+            f"`{primitive}` turns a {type_name} into a dense array ({reason})."
+        )
+        if _settings.mode == "error":
+            raise DensificationError(
+                message + " Avoid the operation on compressed values, register a rule "
+                f"for `{primitive}` with `quax.register`, or allow it with "
+                "`quax_tangents.fallback('warn')`."
+            )
+        if _settings.mode == "warn" and key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                message + " Counted in `quax_tangents.fallback_counts()`; use "
+                "`quax_tangents.fallback('silent')` to hide this warning.",
+                DensificationWarning,
+                stacklevel=2,
+            )
+
+
+def record_budget_event(primitive: str, action: str) -> None:
+    """Counts one rank-budget recompression."""
+    _budget_counts[(primitive, action)] += 1

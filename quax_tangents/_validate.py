@@ -1,0 +1,63 @@
+"""Input checks shared by every representation and compressor.
+
+Each error names the argument and says how to fix it. Value checks (finiteness) only
+run on concrete arrays: under `jit` the values are not known at trace time.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_floating(name: str, x: Any) -> None:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` has dtype {dtype}; compressed tangents must be floating point "
+            "(integer primals have no tangent). Cast it, e.g. `x.astype(jnp.float32)`."
+        )
+
+
+def check_same_dtype(**arrays: Any) -> None:
+    dtypes = {name: jnp.result_type(x) for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"`{n}` is {d}" for n, d in dtypes.items())
+        raise TypeError(f"Mixed dtypes: {listing}. Cast them to one dtype first.")
+
+
+def check_dtype(name: str, x: Any, expected: Any) -> None:
+    dtype = jnp.result_type(x)
+    if dtype != jnp.dtype(expected):
+        raise TypeError(f"`{name}` must have dtype {jnp.dtype(expected)}, got {dtype}.")
+
+
+def check_finite(name: str, x: Any) -> None:
+    if is_concrete(x) and not bool(np.all(np.isfinite(np.asarray(x, np.float32)))):
+        raise ValueError(
+            f"`{name}` contains NaN or Inf. Compress finite values only; check the "
+            "computation that produced it (e.g. with `jax.debug_nans`)."
+        )
+
+
+def check_positive_int(name: str, value: Any, *, upper: int | None = None, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be a Python int, got {value!r}.")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}.")
+    if upper is not None and value > upper:
+        raise ValueError(f"`{name}`={value} is larger than {upper}{hint}.")
+    return value
+
+
+def check_ndim(name: str, x: Any, minimum: int) -> None:
+    if jnp.ndim(x) < minimum:
+        raise ValueError(
+            f"`{name}` must have at least {minimum} dimensions, got shape {jnp.shape(x)}."
+        )

@@ -1,0 +1,305 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import quax
+from hypothesis import given, strategies as st
+
+import quax_tangents as qt
+from quax_tangents._lax import add_any_p
+from tests.helpers import assert_close, random_array, seeds
+from tests.helpers.lowrank import lowrank_values
+
+
+# ---------------------------------------------------------------------------------------
+# Construction and validation
+
+
+def test_aval_and_storage():
+    x = qt.LowRank(jnp.zeros((3, 5, 2)), jnp.zeros((3, 7, 2)))
+    assert x.shape == (3, 5, 7) and x.dtype == jnp.float32 and x.rank == 2
+    assert x.nbytes == 3 * 2 * (5 + 7) * 4
+    assert x.dense_nbytes == 3 * 5 * 7 * 4
+    assert x.compression_ratio == pytest.approx(35 / 24)
+
+
+def test_rank_4_on_2048_squared_stores_256x_fewer_bytes():
+    x = qt.LowRank(jnp.zeros((2048, 4)), jnp.zeros((2048, 4)))
+    assert x.compression_ratio >= 250
+
+
+@pytest.mark.parametrize(
+    "left, right, match",
+    [
+        (jnp.zeros((4, 2)), jnp.zeros((5, 3)), "same rank"),
+        (jnp.zeros((2, 4, 2)), jnp.zeros((3, 5, 2)), "same leading dims"),
+        (jnp.zeros((4,)), jnp.zeros((5, 2)), "`left` must have at least 2"),
+        (jnp.zeros((4, 2)), jnp.zeros((5, 2), jnp.bfloat16), "Mixed dtypes"),
+        (jnp.zeros((4, 2), jnp.int32), jnp.zeros((5, 2), jnp.int32), "`left` has dtype"),
+        (jnp.full((4, 2), jnp.nan), jnp.zeros((5, 2)), "`left` contains NaN"),
+        (jnp.zeros((4, 2)), jnp.full((5, 2), jnp.inf), "`right` contains NaN or Inf"),
+    ],
+)
+def test_bad_factors(left, right, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        qt.LowRank(left, right)
+
+
+@pytest.mark.parametrize(
+    "rank, error, match",
+    [(5, ValueError, "`rank`=5 is larger than 4"), (0, ValueError, "`rank` must be"),
+     (1.5, TypeError, "`rank` must be a Python int")],
+)
+def test_low_rank_bad_rank(rank, error, match):
+    with pytest.raises(error, match=match):
+        qt.low_rank(jnp.ones((4, 6)), rank)
+
+
+def test_low_rank_bad_input():
+    with pytest.raises(TypeError, match="`x` has dtype int32"):
+        qt.low_rank(jnp.ones((4, 6), jnp.int32), 1)
+    with pytest.raises(ValueError, match="`x` contains NaN"):
+        qt.low_rank(jnp.full((4, 6), jnp.nan), 1)
+    with pytest.raises(ValueError, match="`x` must have at least 2 dimensions"):
+        qt.low_rank(jnp.ones(4), 1)
+
+
+# ---------------------------------------------------------------------------------------
+# The compressor
+
+
+@st.composite
+def _exactly_low_rank(draw):
+    m, n = draw(st.integers(2, 12)), draw(st.integers(2, 12))
+    true_rank = draw(st.integers(1, min(m, n)))
+    rank = draw(st.integers(true_rank, min(m, n)))
+    seed = draw(seeds())
+    a, b = random_array(seed, (m, true_rank)), random_array(seed + 1, (true_rank, n))
+    return a @ b, rank, seed
+
+
+@given(_exactly_low_rank())
+def test_low_rank_is_exact_at_or_above_the_true_rank(case):
+    x, rank, seed = case
+    approx = qt.low_rank(x, rank, key=jax.random.key(seed))
+    assert approx.rank == rank
+    assert_close(approx.materialise(), x, factor=10)
+
+
+@given(
+    st.integers(4, 24),
+    st.integers(4, 24),
+    st.sampled_from([0.5, 0.8, 0.95, 1.0]),
+    seeds(),
+)
+def test_low_rank_is_near_optimal(m, n, decay, seed):
+    """Stated bound: Frobenius error within 1.1x of the truncated SVD's (iters=1)."""
+    rng = np.random.default_rng(seed)
+    k = min(m, n)
+    u = np.linalg.qr(rng.standard_normal((m, k)))[0]
+    v = np.linalg.qr(rng.standard_normal((n, k)))[0]
+    spectrum = decay ** np.arange(k) * rng.uniform(0.5, 1.5, k)
+    x = (u * spectrum) @ v.T
+    rank = int(rng.integers(1, k))
+    optimal = np.sqrt(np.sum(np.sort(spectrum)[::-1][rank:] ** 2))
+    approx = qt.low_rank(jnp.asarray(x, jnp.float32), rank, key=jax.random.key(seed))
+    error = np.linalg.norm(np.asarray(approx.materialise(), np.float64) - x)
+    assert error <= 1.1 * optimal + 1e-5
+
+
+def test_low_rank_batch_jit_vmap_and_half_precision():
+    x = random_array(0, (3, 8, 2)) @ random_array(1, (3, 2, 6))
+    batched = qt.low_rank(x, 2)
+    assert batched.left.shape == (3, 8, 2) and batched.right.shape == (3, 6, 2)
+    assert_close(batched.materialise(), x, factor=10)
+    jitted = jax.jit(qt.low_rank, static_argnums=1)(x, 2)
+    assert_close(jitted.materialise(), x, factor=10)
+    mapped = jax.vmap(lambda a: qt.low_rank(a, 2))(x)
+    assert_close(mapped.materialise(), x, factor=10)
+    half = qt.low_rank(x.astype(jnp.bfloat16), 2)
+    assert half.dtype == jnp.bfloat16
+    assert_close(half.materialise(), x, jnp.bfloat16, factor=4)
+
+
+def test_low_rank_is_deterministic_given_a_key():
+    x = random_array(0, (9, 7))
+    a = qt.low_rank(x, 2, key=jax.random.key(3))
+    b = qt.low_rank(x, 2, key=jax.random.key(3))
+    assert np.array_equal(np.asarray(a.left), np.asarray(b.left))
+
+
+# ---------------------------------------------------------------------------------------
+# The "done when" case, and transforms
+
+
+@pytest.mark.parametrize("weight_on_right", [True, False])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_jvp_of_a_matmul_stays_low_rank_without_fallback(weight_on_right, use_jit):
+    x = random_array(0, (8, 5))
+    w = random_array(1, (5, 6)) if weight_on_right else random_array(1, (8, 8))
+    tangent = qt.low_rank(random_array(2, w.shape), 2)
+    f = (lambda w: x @ w) if weight_on_right else (lambda w: w @ x)
+
+    def jvp(w, t):
+        return quax.quaxify(jax.jvp)(f, (w,), (t,))
+
+    jvp = jax.jit(jvp) if use_jit else jvp
+    with qt.fallback("error"):
+        primal, out = jvp(w, tangent)
+    assert isinstance(out, qt.LowRank)
+    expected = jax.jvp(f, (w,), (tangent.materialise(),))[1]
+    assert_close(out.materialise(), expected, factor=5)
+
+
+def test_vmap_over_stacked_low_rank_tangents():
+    x = random_array(0, (4, 5))
+    stacked = qt.LowRank(random_array(1, (3, 5, 2)), random_array(2, (3, 6, 2)))
+
+    def product(t):
+        return quax.quaxify(lambda t: x @ t)(t)
+
+    with qt.fallback("error"):
+        out = jax.vmap(product)(stacked)
+    assert isinstance(out, qt.LowRank) and out.shape == (3, 4, 6)
+    assert_close(out.materialise(), x @ stacked.materialise(), factor=5)
+
+
+@given(lowrank_values(batch_dims=0, dtype=jnp.float32))
+def test_vmap_inside_a_quaxified_function(x):
+    """vmap inside quaxify adds a free dim to the dense operand."""
+    ys = random_array(0, (3, 2, x.shape[0]))
+    with qt.fallback("error"):
+        out = quax.quaxify(jax.vmap(lambda y, w: y @ w, in_axes=(0, None)))(ys, x)
+    assert isinstance(out, qt.LowRank)
+    assert_close(out.materialise(), ys @ x.materialise(), scale=float(x.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------
+# Densification paths: counted, subject to the mode
+
+
+def test_mul_by_a_full_matrix_densifies_and_is_counted():
+    x = qt.LowRank(random_array(0, (4, 1)), random_array(1, (5, 1)))
+    y = random_array(2, (4, 5))
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(jax.lax.mul)(x, y)
+    assert not isinstance(out, qt.LowRank)
+    assert_close(out, x.materialise() * y)
+    assert qt.fallback_counts() == {("mul", "LowRank"): 1}
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="`mul`"):
+        quax.quaxify(jax.lax.mul)(x, y)
+
+
+def test_warn_mode_warns_once_per_primitive_and_type():
+    x = qt.LowRank(random_array(0, (4, 1)), random_array(1, (5, 1)))
+    qt.reset_fallback_counts()
+    with pytest.warns(qt.DensificationWarning, match="`tanh` turns a LowRank"):
+        quax.quaxify(jnp.tanh)(x)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quax.quaxify(jnp.tanh)(x)
+    assert qt.fallback_counts()[("tanh", "LowRank")] == 2
+
+
+def _over_budget_pair():
+    # 4x4 with rank 1 + 1: 2 * (4 + 4) = 16 >= 16, over the default budget.
+    a = qt.LowRank(random_array(0, (4, 1)), random_array(1, (4, 1)))
+    b = qt.LowRank(random_array(2, (4, 1)), random_array(3, (4, 1)))
+    return a, b
+
+
+def test_rank_budget_densifies_by_default():
+    a, b = _over_budget_pair()
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(add_any_p.bind)(a, b)
+    assert not isinstance(out, qt.LowRank)
+    assert_close(out, a.materialise() + b.materialise())
+    assert qt.fallback_counts() == {("add_any", "LowRank"): 1}
+
+
+def test_rank_budget_recompresses_to_the_best_approximation():
+    a, b = _over_budget_pair()
+    qt.reset_fallback_counts()
+    with qt.rank_budget("recompress"), qt.fallback("error"):
+        out = quax.quaxify(add_any_p.bind)(a, b)
+    assert isinstance(out, qt.LowRank) and out.rank == 1  # (16 - 1) // 8
+    dense = np.asarray(a.materialise() + b.materialise(), np.float64)
+    u, s, vt = np.linalg.svd(dense)
+    best = (u[:, :1] * s[:1]) @ vt[:1]
+    assert_close(out.materialise(), best, factor=5)
+    assert qt.rank_budget_counts() == {("add_any", "recompress"): 1}
+
+
+def test_max_rank_caps_concatenation():
+    a = qt.LowRank(random_array(0, (20, 2)), random_array(1, (20, 2)))
+    with qt.rank_budget("recompress", max_rank=3), qt.fallback("error"):
+        out = quax.quaxify(jax.lax.add)(a, a)
+    # Concatenated rank 4 is cut to 3; a + a has true rank 2, so nothing is lost.
+    assert out.rank == 3
+    assert_close(out.materialise(), 2 * a.materialise(), factor=5)
+    b = qt.LowRank(random_array(2, (20, 2)), random_array(3, (20, 2)))
+    with qt.rank_budget("recompress", max_rank=3), qt.fallback("error"):
+        out = quax.quaxify(jax.lax.add)(a, b)
+    assert out.rank == 3
+
+
+def test_budget_settings_are_validated():
+    with pytest.raises(ValueError, match="`action`"):
+        with qt.rank_budget("drop"):
+            pass
+    with pytest.raises(ValueError, match="`max_rank`"):
+        with qt.rank_budget(max_rank=0):
+            pass
+    with pytest.raises(ValueError, match="`mode`"):
+        with qt.fallback("loud"):
+            pass
+
+
+def test_unsupported_structural_ops_densify_exactly():
+    x = qt.LowRank(random_array(0, (2, 3, 1)), random_array(1, (2, 4, 1)))
+    dense = x.materialise()
+    checks = [
+        (lambda a: jnp.transpose(a, (1, 0, 2)), "transpose"),
+        (lambda a: jnp.reshape(a, (6, 4)), "reshape"),
+        (lambda a: a.astype(jnp.int32), "convert_element_type"),
+        (lambda a: jax.lax.dot_general(a, jnp.ones((2, 3, 4)), (((1, 2), (1, 2)), ((0,), (0,)))), "dot_general"),
+    ]
+    for fn, name in checks:
+        qt.reset_fallback_counts()
+        with qt.fallback("silent"):
+            out = quax.quaxify(fn)(x)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(fn(dense)), rtol=1e-5, atol=1e-5)
+        assert qt.fallback_counts() == {(name, "LowRank"): 1}, name
+
+
+def test_matvec_gives_a_dense_vector_without_counting():
+    x = qt.LowRank(random_array(0, (5, 2)), random_array(1, (4, 2)))
+    v = random_array(2, (4,))
+    qt.reset_fallback_counts()
+    with qt.fallback("error"):
+        out = quax.quaxify(jnp.matmul)(x, v)
+    assert_close(out, x.materialise() @ v)
+    assert qt.fallback_counts() == {}
+
+
+def test_mixed_with_other_compressed_types_densifies_both():
+    x = qt.LowRank(random_array(0, (6, 1)), random_array(1, (5, 1)))
+    y = qt.top_k(random_array(2, (6, 5)), 3)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(jax.lax.add)(x, y)
+    assert_close(out, x.materialise() + y.materialise())
+    assert qt.fallback_counts() == {("add", "LowRank"): 1, ("add", "Sparse"): 1}
+
+
+def test_adding_mismatched_shapes_is_an_error():
+    a = qt.LowRank(random_array(0, (3, 1)), random_array(1, (4, 1)))
+    b = qt.LowRank(random_array(0, (3, 1)), random_array(1, (4, 1))).__class__(
+        random_array(2, (3, 1), jnp.bfloat16), random_array(3, (4, 1), jnp.bfloat16)
+    )
+    with pytest.raises(TypeError, match="shapes and dtypes must match"):
+        quax.quaxify(add_any_p.bind)(a, b)
