@@ -1,0 +1,290 @@
+"""Rules for JAX's higher-order primitives: `jit`, `checkpoint`, `cond` and `scan`.
+
+Two things go wrong with quax's own handling of these for compressed tangents:
+
+- quax skips its trace inside a body when no quax value enters it, so a construction
+  primitive (`compress_cotangent`, `factored_matmul`) in a jitted, checkpointed,
+  branched or scanned backward pass would run densely. These rules enter the trace
+  whenever the body holds one.
+- Branches and loop carries that disagree in type or rank fail late (a lowering error,
+  or a carry-type error). Here branches are joined, and a growing carry is either
+  truncated back (under `rank_budget("recompress")`) or rejected with an error that
+  names the carry.
+"""
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax._src.core as jcore
+import jax.extend.core as jexc
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import quax
+from jax._src.ad_checkpoint import remat_p
+from jaxtyping import ArrayLike
+from quax._compat import jit_p, scan_bind_params, unpack_scan_args
+from quax._primitives import jit_quax
+
+from ._base import CompressedArray
+from ._fallback import budget_settings, record_budget_event, record_densification
+from ._primitives import compress_p, outer_p
+from ._registry import rule
+from ._types.lowrank import LowRank, truncate
+
+_CONSTRUCTION = (compress_p, outer_p)
+_construction_cache: dict[int, tuple[Any, bool]] = {}
+
+
+def _is_value(x: Any) -> bool:
+    return isinstance(x, quax.Value)
+
+
+def _enter_trace(fn: Callable) -> Callable:
+    return quax.quaxify(fn, filter_spec=lambda _: True)
+
+
+def has_construction(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr, or any jaxpr nested in it, binds a construction
+    primitive. Cached per jaxpr object."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    key = id(jaxpr)
+    cached = _construction_cache.get(key)
+    if cached is not None and cached[0]() is jaxpr:
+        return cached[1]
+    found = any(
+        eqn.primitive in _CONSTRUCTION
+        or any(has_construction(sub) for sub in jcore.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
+    _construction_cache[key] = (
+        weakref.ref(jaxpr, lambda _, key=key: _construction_cache.pop(key, None)),
+        found,
+    )
+    return found
+
+
+def _needs_trace(args: Sequence[Any], *jaxprs: Any) -> bool:
+    return any(map(_is_value, args)) or any(map(has_construction, jaxprs))
+
+
+# ---------------------------------------------------------------------------------------
+# jit
+
+
+@rule(jit_p, precedence=1)
+def _jit_dense(*args: ArrayLike, jaxpr: Any, **params: Any) -> Any:
+    """All operands dense: inline the body under the trace only if it constructs
+    compressed values; otherwise leave the call to quax unchanged."""
+    if has_construction(jaxpr):
+        return _enter_trace(jexc.jaxpr_as_fun(jaxpr))(*args)
+    return jit_quax(*args, jaxpr=jaxpr, **params)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint
+
+
+@rule(remat_p)
+def _remat(
+    *args: ArrayLike | quax.ArrayValue,
+    jaxpr: Any,
+    prevent_cse: bool,
+    differentiated: bool,
+    policy: Any,
+) -> Any:
+    """Keeps compressed values compressed through `jax.checkpoint`: the body is
+    checkpointed again, now on the quaxified function."""
+    if not _needs_trace(args, jaxpr):
+        return remat_p.bind(
+            *args,
+            jaxpr=jaxpr,
+            prevent_cse=prevent_cse,
+            differentiated=differentiated,
+            policy=policy,
+        )
+    body = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, ()))
+    checkpointed = jax.checkpoint(
+        _enter_trace(lambda *a: body(*a)), prevent_cse=prevent_cse, policy=policy
+    )
+    return checkpointed(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# Joining values of different types or ranks
+
+
+def _leaf_kind(x: Any) -> Any:
+    """A value's type, static fields and field shapes (a rank is a shape)."""
+    if not _is_value(x):
+        return "dense"
+    leaves, treedef = jtu.tree_flatten(x)
+    return treedef, tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+
+
+def _pad_rank(x: LowRank, rank: int) -> LowRank:
+    extra = rank - x.rank
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * (x.left.ndim - 1) + [(0, extra)]
+    return LowRank(jnp.pad(x.left, pad), jnp.pad(x.right, pad))
+
+
+def _join_plan(candidates: Sequence[Any], primitive: str) -> Callable[[Any], Any]:
+    """How to bring one output position of several branches to a common type:
+    nothing, zero-padding LowRank factors to the largest rank, or densifying."""
+    kinds = {_leaf_kind(c) for c in candidates}
+    if len(kinds) == 1:
+        return lambda x: x
+    if all(isinstance(c, LowRank) for c in candidates):
+        rank = max(c.rank for c in candidates)
+        return lambda x: _pad_rank(x, rank)
+    names = tuple(sorted({type(c).__name__ for c in candidates if _is_value(c)}))
+
+    def densify(x: Any) -> Any:
+        if isinstance(x, CompressedArray):
+            record_densification(
+                primitive, (type(x).__name__,), "branches return different types"
+            )
+        return x.materialise() if _is_value(x) else x
+
+    del names
+    return densify
+
+
+def _joined(fn: Callable, plans: Sequence[Callable]) -> Callable:
+    def run(*args: Any) -> list[Any]:
+        outs = fn(*args)
+        return [plan(out) for plan, out in zip(plans, outs)]
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# cond
+
+
+@rule(jax.lax.cond_p, precedence=1)
+def _cond(index: ArrayLike, *args: ArrayLike | quax.ArrayValue, branches: Any, **params):
+    if not _needs_trace(args, *branches):
+        return jax.lax.cond_p.bind(index, *args, branches=branches, **params)
+    flat_args, in_tree = jtu.tree_flatten(args)
+
+    def branch_fn(closed: Any) -> Callable:
+        body = _enter_trace(jexc.jaxpr_as_fun(closed))
+
+        def run(*flat: Any) -> list[Any]:
+            return list(body(*jtu.tree_unflatten(in_tree, flat)))
+
+        return run
+
+    fns = [branch_fn(b) for b in branches]
+    shapes = [jax.eval_shape(f, *flat_args) for f in fns]
+    plans = [_join_plan(column, "cond") for column in zip(*shapes)]
+    joined = [_joined(f, plans) for f in fns]
+    out_shape = jax.eval_shape(joined[0], *flat_args)
+    out_tree = jtu.tree_structure(out_shape)
+    new_branches = tuple(
+        jax.make_jaxpr(lambda *a, f=f: jtu.tree_leaves(f(*a)))(*flat_args)
+        for f in joined
+    )
+    out = jax.lax.cond_p.bind(index, *flat_args, branches=new_branches, **params)
+    return jtu.tree_unflatten(out_tree, out)
+
+
+# ---------------------------------------------------------------------------------------
+# scan
+
+
+def _carry_plan(index: int, before: Any, after: Any) -> Callable[[Any], Any] | None:
+    """How the body's output carry is brought back to the input carry's type, or
+    None when the input carry must be densified first."""
+    if _leaf_kind(before) == _leaf_kind(after):
+        return lambda x: x
+    if isinstance(before, LowRank) and isinstance(after, LowRank):
+        action, _ = budget_settings()
+        if action == "recompress":
+            rank = before.rank
+
+            def recompress(x: LowRank) -> LowRank:
+                record_budget_event("scan", "recompress")
+                return LowRank(*truncate(x.left, x.right, rank))
+
+            return recompress
+        raise TypeError(
+            f"`lax.scan` carry {index} enters the body as a LowRank of rank "
+            f"{before.rank} and leaves it with rank {after.rank}, so its rank would "
+            "grow every step. Truncate it back each step with "
+            "`quax_tangents.rank_budget('recompress')`, or materialise it before the "
+            "loop."
+        )
+    if _is_value(before):
+        return None
+    raise TypeError(
+        f"`lax.scan` carry {index} enters the body dense and leaves it as a "
+        f"{type(after).__name__}; make the initial carry compressed too (for example "
+        "with the same compressor), or materialise it inside the body."
+    )
+
+
+@rule(jax.lax.scan_p, precedence=1)
+def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
+    if not _needs_trace(args, jaxpr):
+        return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
+    consts, carry, xs = unpack_scan_args(args, params)
+    consts_flat, consts_tree = jtu.tree_flatten(consts)
+    xs_flat, xs_tree = jtu.tree_flatten(xs)
+    xs_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs_flat]
+    body = _enter_trace(jexc.jaxpr_as_fun(jaxpr))
+    carry = list(carry)
+
+    for _ in range(2):
+        carry_flat, carry_tree = jtu.tree_flatten(carry)
+        n_carry = len(carry)
+
+        def step(*flat: Any, carry_tree=carry_tree, n_flat=len(carry_flat)) -> Any:
+            c = jtu.tree_unflatten(consts_tree, flat[: len(consts_flat)])
+            v = jtu.tree_unflatten(carry_tree, flat[len(consts_flat) : len(consts_flat) + n_flat])
+            x = jtu.tree_unflatten(xs_tree, flat[len(consts_flat) + n_flat :])
+            return list(body(*c, *v, *x))
+
+        trace_in = (*consts_flat, *carry_flat, *xs_slices)
+        out_shape = jax.eval_shape(step, *trace_in)
+        plans = [
+            _carry_plan(i, b, a) for i, (b, a) in enumerate(zip(carry, out_shape[:n_carry]))
+        ]
+        if all(p is not None for p in plans):
+            break
+        # A compressed carry that the body returns dense: start it dense too.
+        for name in {type(c).__name__ for c, p in zip(carry, plans) if p is None}:
+            record_densification("scan", (name,), "the body returns this carry dense")
+        carry = [c.materialise() if p is None else c for c, p in zip(carry, plans)]
+    else:  # pragma: no cover - the second pass always settles
+        raise TypeError("`lax.scan` carry types did not settle.")
+
+    def settled(*flat: Any) -> list[Any]:
+        outs = step(*flat)
+        fixed = [plan(o) for plan, o in zip(plans, outs[:n_carry])]
+        return jtu.tree_leaves(fixed) + jtu.tree_leaves(outs[n_carry:])
+
+    new_jaxpr = jax.make_jaxpr(settled)(*trace_in)
+    n_carry_flat = len(carry_flat)
+    ys_tree = jtu.tree_structure(out_shape[n_carry:])
+    out_flat = jax.lax.scan_p.bind(
+        *consts_flat,
+        *carry_flat,
+        *xs_flat,
+        jaxpr=new_jaxpr,
+        **scan_bind_params(
+            params,
+            num_consts=len(consts_flat),
+            num_carry=n_carry_flat,
+            num_xs=len(xs_flat),
+            num_ys=len(new_jaxpr.out_avals) - n_carry_flat,
+        ),
+    )
+    # ys come out stacked: a LowRank y stacks into factors with a leading scan dim.
+    carry_out = jtu.tree_unflatten(carry_tree, out_flat[:n_carry_flat])
+    ys = jtu.tree_unflatten(ys_tree, out_flat[n_carry_flat:])
+    return [*carry_out, *ys]

@@ -1,0 +1,128 @@
+"""Construction primitives: small JAX primitives with dense semantics whose quax rule
+returns a compressed value.
+
+They are how compressed values are created inside traced code that may not return
+quax values itself, such as `jax.custom_vjp` backward rules. Outside a quax trace each
+one computes its dense semantics, which is exactly the materialised value the quax rule
+returns, so code that uses them stays correct without our entry points.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jexc
+import jax.numpy as jnp
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import ArrayLike
+
+from ._base import materialise
+from ._registry import rule
+from ._types.lowrank import LowRank, within_budget
+
+
+def _map_leading(fn: Callable, batch_ndim: int) -> Callable:
+    for _ in range(batch_ndim):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _move_batch_to_front(x: Any, dim: Any, size: int) -> Any:
+    if dim is batching.not_mapped:
+        return jnp.broadcast_to(x, (size,) + jnp.shape(x))
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _define(
+    primitive: jexc.Primitive,
+    dense: Callable[..., Any],
+    abstract: Callable[..., Any],
+) -> None:
+    """Impl, abstract eval, lowering and batching from one dense function that takes
+    a static `batch_ndim`: the number of leading dims that vmap added."""
+    primitive.def_impl(lambda *args, **params: dense(*args, **params))
+    primitive.def_abstract_eval(abstract)
+    mlir.register_lowering(
+        primitive, mlir.lower_fun(lambda *a, **p: dense(*a, **p), multiple_results=False)
+    )
+
+    def batch_rule(args, dims, *, batch_ndim, **params):
+        size = next(
+            jnp.shape(a)[d] for a, d in zip(args, dims) if d is not batching.not_mapped
+        )
+        args = [_move_batch_to_front(a, d, size) for a, d in zip(args, dims)]
+        return primitive.bind(*args, batch_ndim=batch_ndim + 1, **params), 0
+
+    batching.primitive_batchers[primitive] = batch_rule
+
+
+# ---------------------------------------------------------------------------------------
+# compress: x -> materialise(compressor(x))
+
+compress_p = jexc.Primitive("compress")
+
+
+def _compress_dense(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
+    return materialise(_map_leading(compressor, batch_ndim)(x))
+
+
+def _compress_abstract(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
+    return jax.core.ShapedArray(x.shape, x.dtype)
+
+
+_define(compress_p, _compress_dense, _compress_abstract)
+# A projection: for higher-order AD it is applied to tangents and cotangents alike.
+ad.deflinear(compress_p, lambda ct, **params: [compress_p.bind(ct, **params)])
+
+
+@rule(compress_p)
+def _compress_rule(x: ArrayLike, *, compressor: Callable, batch_ndim: int) -> Any:
+    return _map_leading(compressor, batch_ndim)(x)
+
+
+# ---------------------------------------------------------------------------------------
+# outer: (x, ct) -> x^T ct summed over the leading dims, i.e. the weight gradient of
+# `x @ w`. Its rank is at most the number of rows of `x`.
+
+outer_p = jexc.Primitive("outer")
+
+
+def _flatten_rows(a: Any, batch_ndim: int) -> Any:
+    return a.reshape(a.shape[:batch_ndim] + (-1, a.shape[-1]))
+
+
+def _outer_dense(x: Any, ct: Any, *, batch_ndim: int) -> Any:
+    x, ct = _flatten_rows(x, batch_ndim), _flatten_rows(ct, batch_ndim)
+    return jnp.matmul(jnp.swapaxes(x, -1, -2), ct)
+
+
+def _outer_abstract(x: Any, ct: Any, *, batch_ndim: int) -> Any:
+    shape = x.shape[:batch_ndim] + (x.shape[-1], ct.shape[-1])
+    return jax.core.ShapedArray(shape, jnp.result_type(x.dtype, ct.dtype))
+
+
+_define(outer_p, _outer_dense, _outer_abstract)
+
+
+def _aval_shape(a: Any) -> tuple[int, ...]:
+    return a.aval.shape if ad.is_undefined_primal(a) else jnp.shape(a)
+
+
+def _outer_transpose_x(out_ct: Any, x: Any, ct: Any, *, batch_ndim: int) -> Any:
+    rows = _flatten_rows(ct, batch_ndim) @ jnp.swapaxes(out_ct, -1, -2)
+    return rows.reshape(_aval_shape(x))
+
+
+def _outer_transpose_ct(out_ct: Any, x: Any, ct: Any, *, batch_ndim: int) -> Any:
+    return (_flatten_rows(x, batch_ndim) @ out_ct).reshape(_aval_shape(ct))
+
+
+ad.defbilinear(outer_p, _outer_transpose_x, _outer_transpose_ct)
+
+
+@rule(outer_p)
+def _outer_rule(x: ArrayLike, ct: ArrayLike, *, batch_ndim: int) -> LowRank | Any:
+    dtype = jnp.result_type(x, ct)
+    x = _flatten_rows(jnp.asarray(x, dtype), batch_ndim)
+    ct = _flatten_rows(jnp.asarray(ct, dtype), batch_ndim)
+    return within_budget(outer_p, jnp.swapaxes(x, -1, -2), jnp.swapaxes(ct, -1, -2))
