@@ -2,6 +2,17 @@
 
 import importlib.metadata
 
+from . import _control as _control
+from ._ad import (
+    compress_cotangent as compress_cotangent,
+    factored_matmul as factored_matmul,
+    grad as grad,
+    jvp as jvp,
+    linearize as linearize,
+    partial_jvp as partial_jvp,
+    value_and_grad as value_and_grad,
+    vjp as vjp,
+)
 from ._base import CompressedArray as CompressedArray, materialise as materialise
 from ._fallback import (
     DensificationError as DensificationError,
@@ -17,5 +28,6 @@ from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.signnorm import SignNorm as SignNorm, sign_norm as sign_norm
 from ._types.sparse import Sparse as Sparse, top_k as top_k
+
 
 __version__ = importlib.metadata.version("quax-tangents")

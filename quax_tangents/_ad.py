@@ -11,7 +11,6 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -68,7 +67,9 @@ def _captured(fn: types.FunctionType) -> list[tuple[str, Any]]:
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
     ]
     captured += [
-        (var, fn.__globals__[var]) for var in fn.__code__.co_names if var in fn.__globals__
+        (var, fn.__globals__[var])
+        for var in fn.__code__.co_names
+        if var in fn.__globals__
     ]
     return captured
 
@@ -378,7 +379,9 @@ def value_and_grad(
         pytree_fn = as_pytree_callable(fn)
         for position in positions:
             if not -len(args) <= position < len(args):
-                raise ValueError(f"`argnums` {position} is out of range for {len(args)} arguments.")
+                raise ValueError(
+                    f"`argnums` {position} is out of range for {len(args)} arguments."
+                )
 
         def run(pytree_fn, args):
             def of_selected(*selected):

@@ -14,8 +14,8 @@ from jaxtyping import Array, PyTree
 from quax.examples.zero import Zero
 
 from ._fallback import record_densification
-from ._registry import rule
 from ._lax import add_any_p
+from ._registry import rule
 
 
 class CompressedArray(quax.ArrayValue):
@@ -144,4 +144,3 @@ def _sub_zero(x: CompressedArray, y: Zero) -> CompressedArray:
 def _zero_sub(x: Zero, y: CompressedArray) -> CompressedArray:
     _check_zero_matches(y, x)
     return call_with_rules(jax.lax.neg, y)
-

@@ -28,10 +28,16 @@ from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
 
 from ._base import CompressedArray
-from ._fallback import budget_settings, record_budget_event, record_densification
+from ._fallback import (
+    budget_settings,
+    dry_run,
+    record_budget_event,
+    record_densification,
+)
 from ._primitives import compress_p, outer_p
 from ._registry import rule
 from ._types.lowrank import LowRank, truncate
+
 
 _CONSTRUCTION = (compress_p, outer_p)
 _construction_cache: dict[int, tuple[Any, bool]] = {}
@@ -166,7 +172,9 @@ def _joined(fn: Callable, plans: Sequence[Callable]) -> Callable:
 
 
 @rule(jax.lax.cond_p, precedence=1)
-def _cond(index: ArrayLike, *args: ArrayLike | quax.ArrayValue, branches: Any, **params):
+def _cond(
+    index: ArrayLike, *args: ArrayLike | quax.ArrayValue, branches: Any, **params
+):
     if not _needs_trace(args, *branches):
         return jax.lax.cond_p.bind(index, *args, branches=branches, **params)
     flat_args, in_tree = jtu.tree_flatten(args)
@@ -180,24 +188,25 @@ def _cond(index: ArrayLike, *args: ArrayLike | quax.ArrayValue, branches: Any, *
         return run
 
     fns = [branch_fn(b) for b in branches]
-    shapes = [jax.eval_shape(f, *flat_args) for f in fns]
+    with dry_run():
+        shapes = [jax.eval_shape(f, *flat_args) for f in fns]
     plans = [_join_plan(column, "cond") for column in zip(*shapes)]
-    joined = [_joined(f, plans) for f in fns]
-    out_shape = jax.eval_shape(joined[0], *flat_args)
-    out_tree = jtu.tree_structure(out_shape)
-    new_branches = tuple(
-        jax.make_jaxpr(lambda *a, f=f: jtu.tree_leaves(f(*a)))(*flat_args)
-        for f in joined
-    )
+    traced = [
+        jax.make_jaxpr(_joined(f, plans), return_shape=True)(*flat_args) for f in fns
+    ]
+    new_branches = tuple(jaxpr for jaxpr, _ in traced)
+    out_tree = jtu.tree_structure(traced[0][1])
     out = jax.lax.cond_p.bind(index, *flat_args, branches=new_branches, **params)
     return jtu.tree_unflatten(out_tree, out)
 
 
 # ---------------------------------------------------------------------------------------
-# scan
+# Loops: scan and while
 
 
-def _carry_plan(index: int, before: Any, after: Any) -> Callable[[Any], Any] | None:
+def _carry_plan(
+    primitive: str, index: int, before: Any, after: Any
+) -> Callable[[Any], Any] | None:
     """How the body's output carry is brought back to the input carry's type, or
     None when the input carry must be densified first."""
     if _leaf_kind(before) == _leaf_kind(after):
@@ -208,12 +217,12 @@ def _carry_plan(index: int, before: Any, after: Any) -> Callable[[Any], Any] | N
             rank = before.rank
 
             def recompress(x: LowRank) -> LowRank:
-                record_budget_event("scan", "recompress")
+                record_budget_event(primitive, "recompress")
                 return LowRank(*truncate(x.left, x.right, rank))
 
             return recompress
         raise TypeError(
-            f"`lax.scan` carry {index} enters the body as a LowRank of rank "
+            f"`lax.{primitive}` carry {index} enters the body as a LowRank of rank "
             f"{before.rank} and leaves it with rank {after.rank}, so its rank would "
             "grow every step. Truncate it back each step with "
             "`quax_tangents.rank_budget('recompress')`, or materialise it before the "
@@ -222,10 +231,73 @@ def _carry_plan(index: int, before: Any, after: Any) -> Callable[[Any], Any] | N
     if _is_value(before):
         return None
     raise TypeError(
-        f"`lax.scan` carry {index} enters the body dense and leaves it as a "
+        f"`lax.{primitive}` carry {index} enters the body dense and leaves it as a "
         f"{type(after).__name__}; make the initial carry compressed too (for example "
         "with the same compressor), or materialise it inside the body."
     )
+
+
+class _Body:
+    """A loop body over flat leaves: `(consts, carry, xs) -> (carry, ys)`."""
+
+    def __init__(
+        self, jaxpr: Any, consts: Sequence[Any], carry: Sequence[Any], xs: Any
+    ):
+        self.fn = _enter_trace(jexc.jaxpr_as_fun(jaxpr))
+        self.consts_flat, self.consts_tree = jtu.tree_flatten(list(consts))
+        self.carry_flat, self.carry_tree = jtu.tree_flatten(list(carry))
+        self.xs_flat, self.xs_tree = jtu.tree_flatten(list(xs))
+        self.n_carry = len(carry)
+
+    def __call__(self, *flat: Any) -> list[Any]:
+        n_consts, n_carry = len(self.consts_flat), len(self.carry_flat)
+        consts = jtu.tree_unflatten(self.consts_tree, flat[:n_consts])
+        carry = jtu.tree_unflatten(self.carry_tree, flat[n_consts : n_consts + n_carry])
+        xs = jtu.tree_unflatten(self.xs_tree, flat[n_consts + n_carry :])
+        return list(self.fn(*consts, *carry, *xs))
+
+
+def _settle_carry(
+    primitive: str,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    carry: Sequence[Any],
+    xs: Sequence[Any],
+    xs_avals: Sequence[Any],
+) -> tuple[_Body, list[Callable], Any]:
+    """Traces the body once (twice if a compressed carry must start dense) and
+    returns it with the plan that keeps each carry's type fixed, and its output
+    shapes."""
+    carry = list(carry)
+    for _ in range(2):
+        body = _Body(jaxpr, consts, carry, xs)
+        with dry_run():
+            out_shape = jax.eval_shape(
+                body, *body.consts_flat, *body.carry_flat, *xs_avals
+            )
+        plans = [
+            _carry_plan(primitive, i, before, after)
+            for i, (before, after) in enumerate(zip(carry, out_shape[: len(carry)]))
+        ]
+        if all(plan is not None for plan in plans):
+            return body, plans, out_shape
+        for name in {type(c).__name__ for c, p in zip(carry, plans) if p is None}:
+            record_densification(
+                primitive, (name,), "the body returns this carry dense"
+            )
+        carry = [c.materialise() if p is None else c for c, p in zip(carry, plans)]
+    raise TypeError(
+        f"`lax.{primitive}` carry types did not settle."
+    )  # pragma: no cover
+
+
+def _settled_fn(body: _Body, plans: Sequence[Callable]) -> Callable:
+    def run(*flat: Any) -> list[Any]:
+        outs = body(*flat)
+        carry = [plan(o) for plan, o in zip(plans, outs[: body.n_carry])]
+        return jtu.tree_leaves(carry) + jtu.tree_leaves(outs[body.n_carry :])
+
+    return run
 
 
 @rule(jax.lax.scan_p, precedence=1)
@@ -233,58 +305,74 @@ def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
     consts, carry, xs = unpack_scan_args(args, params)
-    consts_flat, consts_tree = jtu.tree_flatten(consts)
-    xs_flat, xs_tree = jtu.tree_flatten(xs)
-    xs_slices = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs_flat]
-    body = _enter_trace(jexc.jaxpr_as_fun(jaxpr))
-    carry = list(carry)
-
-    for _ in range(2):
-        carry_flat, carry_tree = jtu.tree_flatten(carry)
-        n_carry = len(carry)
-
-        def step(*flat: Any, carry_tree=carry_tree, n_flat=len(carry_flat)) -> Any:
-            c = jtu.tree_unflatten(consts_tree, flat[: len(consts_flat)])
-            v = jtu.tree_unflatten(carry_tree, flat[len(consts_flat) : len(consts_flat) + n_flat])
-            x = jtu.tree_unflatten(xs_tree, flat[len(consts_flat) + n_flat :])
-            return list(body(*c, *v, *x))
-
-        trace_in = (*consts_flat, *carry_flat, *xs_slices)
-        out_shape = jax.eval_shape(step, *trace_in)
-        plans = [
-            _carry_plan(i, b, a) for i, (b, a) in enumerate(zip(carry, out_shape[:n_carry]))
-        ]
-        if all(p is not None for p in plans):
-            break
-        # A compressed carry that the body returns dense: start it dense too.
-        for name in {type(c).__name__ for c, p in zip(carry, plans) if p is None}:
-            record_densification("scan", (name,), "the body returns this carry dense")
-        carry = [c.materialise() if p is None else c for c, p in zip(carry, plans)]
-    else:  # pragma: no cover - the second pass always settles
-        raise TypeError("`lax.scan` carry types did not settle.")
-
-    def settled(*flat: Any) -> list[Any]:
-        outs = step(*flat)
-        fixed = [plan(o) for plan, o in zip(plans, outs[:n_carry])]
-        return jtu.tree_leaves(fixed) + jtu.tree_leaves(outs[n_carry:])
-
-    new_jaxpr = jax.make_jaxpr(settled)(*trace_in)
-    n_carry_flat = len(carry_flat)
-    ys_tree = jtu.tree_structure(out_shape[n_carry:])
+    xs_avals = [
+        jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jtu.tree_leaves(list(xs))
+    ]
+    body, plans, out_shape = _settle_carry("scan", jaxpr, consts, carry, xs, xs_avals)
+    trace_in = (*body.consts_flat, *body.carry_flat, *xs_avals)
+    new_jaxpr = jax.make_jaxpr(_settled_fn(body, plans))(*trace_in)
+    n_carry_flat = len(body.carry_flat)
     out_flat = jax.lax.scan_p.bind(
-        *consts_flat,
-        *carry_flat,
-        *xs_flat,
+        *body.consts_flat,
+        *body.carry_flat,
+        *body.xs_flat,
         jaxpr=new_jaxpr,
         **scan_bind_params(
             params,
-            num_consts=len(consts_flat),
+            num_consts=len(body.consts_flat),
             num_carry=n_carry_flat,
-            num_xs=len(xs_flat),
+            num_xs=len(body.xs_flat),
             num_ys=len(new_jaxpr.out_avals) - n_carry_flat,
         ),
     )
-    # ys come out stacked: a LowRank y stacks into factors with a leading scan dim.
-    carry_out = jtu.tree_unflatten(carry_tree, out_flat[:n_carry_flat])
-    ys = jtu.tree_unflatten(ys_tree, out_flat[n_carry_flat:])
+    # ys come out stacked: a compressed y stacks into fields with a leading scan dim,
+    # which static metadata about trailing dims allows.
+    carry_out = jtu.tree_unflatten(body.carry_tree, out_flat[:n_carry_flat])
+    ys = jtu.tree_unflatten(
+        jtu.tree_structure(out_shape[body.n_carry :]), out_flat[n_carry_flat:]
+    )
     return [*carry_out, *ys]
+
+
+@rule(jax.lax.while_p, precedence=1)
+def _while(
+    *args: ArrayLike | quax.ArrayValue,
+    cond_nconsts: int,
+    cond_jaxpr: Any,
+    body_nconsts: int,
+    body_jaxpr: Any,
+) -> Any:
+    params = dict(
+        cond_nconsts=cond_nconsts,
+        cond_jaxpr=cond_jaxpr,
+        body_nconsts=body_nconsts,
+        body_jaxpr=body_jaxpr,
+    )
+    if not _needs_trace(args, cond_jaxpr, body_jaxpr):
+        return jax.lax.while_p.bind(*args, **params)
+    cond_consts = list(args[:cond_nconsts])
+    body_consts = list(args[cond_nconsts : cond_nconsts + body_nconsts])
+    carry = list(args[cond_nconsts + body_nconsts :])
+    body, plans, _ = _settle_carry("while_loop", body_jaxpr, body_consts, carry, [], [])
+    new_body = jax.make_jaxpr(_settled_fn(body, plans))(
+        *body.consts_flat, *body.carry_flat
+    )
+    cond = _Body(cond_jaxpr, cond_consts, [], [])
+    cond_flat_in = (*cond.consts_flat, *body.carry_flat)
+
+    def cond_fn(*flat: Any) -> Any:
+        consts = jtu.tree_unflatten(cond.consts_tree, flat[: len(cond.consts_flat)])
+        carry = jtu.tree_unflatten(body.carry_tree, flat[len(cond.consts_flat) :])
+        return cond.fn(*consts, *carry)[0]
+
+    new_cond = jax.make_jaxpr(cond_fn)(*cond_flat_in)
+    out_flat = jax.lax.while_p.bind(
+        *cond.consts_flat,
+        *body.consts_flat,
+        *body.carry_flat,
+        cond_nconsts=len(cond.consts_flat),
+        cond_jaxpr=new_cond,
+        body_nconsts=len(body.consts_flat),
+        body_jaxpr=new_body,
+    )
+    return list(jtu.tree_unflatten(body.carry_tree, out_flat))

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Literal
 
+
 FallbackMode = Literal["warn", "error", "silent"]
 BudgetAction = Literal["densify", "recompress"]
 _MODES = ("warn", "error", "silent")
@@ -32,6 +33,7 @@ class _Settings(threading.local):
         self.mode: FallbackMode = "warn"
         self.budget_action: BudgetAction = "densify"
         self.max_rank: int | None = None
+        self.dry_run: bool = False
 
 
 _settings = _Settings()
@@ -91,13 +93,27 @@ def rank_budget(
     if action not in _ACTIONS:
         raise ValueError(f"`action` must be one of {_ACTIONS}, got {action!r}.")
     if max_rank is not None and (not isinstance(max_rank, int) or max_rank < 1):
-        raise ValueError(f"`max_rank` must be a positive int or None, got {max_rank!r}.")
+        raise ValueError(
+            f"`max_rank` must be a positive int or None, got {max_rank!r}."
+        )
     previous = (_settings.budget_action, _settings.max_rank)
     _settings.budget_action, _settings.max_rank = action, max_rank
     try:
         yield
     finally:
         _settings.budget_action, _settings.max_rank = previous
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[None]:
+    """Traces inside this context (shape discovery before the real trace) raise under
+    `fallback("error")` but neither count nor warn, so nothing is counted twice."""
+    previous = _settings.dry_run
+    _settings.dry_run = True
+    try:
+        yield
+    finally:
+        _settings.dry_run = previous
 
 
 def fallback_mode() -> FallbackMode:
@@ -129,21 +145,22 @@ def reset_fallback_counts() -> None:
     _warned.clear()
 
 
-def record_densification(primitive: str, type_names: tuple[str, ...], reason: str) -> None:
+def record_densification(
+    primitive: str, type_names: tuple[str, ...], reason: str
+) -> None:
     """Counts one densification of each named type and applies the fallback mode."""
     for type_name in type_names:
         key = (primitive, type_name)
-        _densify_counts[key] += 1
-        message = (
-            f"`{primitive}` turns a {type_name} into a dense array ({reason})."
-        )
+        if not _settings.dry_run:
+            _densify_counts[key] += 1
+        message = f"`{primitive}` turns a {type_name} into a dense array ({reason})."
         if _settings.mode == "error":
             raise DensificationError(
                 message + " Avoid the operation on compressed values, register a rule "
                 f"for `{primitive}` with `quax.register`, or allow it with "
                 "`quax_tangents.fallback('warn')`."
             )
-        if _settings.mode == "warn" and key not in _warned:
+        if _settings.mode == "warn" and key not in _warned and not _settings.dry_run:
             _warned.add(key)
             warnings.warn(
                 message + " Counted in `quax_tangents.fallback_counts()`; use "
@@ -155,4 +172,5 @@ def record_densification(primitive: str, type_names: tuple[str, ...], reason: st
 
 def record_budget_event(primitive: str, action: str) -> None:
     """Counts one rank-budget recompression."""
-    _budget_counts[(primitive, action)] += 1
+    if not _settings.dry_run:
+        _budget_counts[(primitive, action)] += 1

@@ -43,7 +43,8 @@ def _define(
     primitive.def_impl(lambda *args, **params: dense(*args, **params))
     primitive.def_abstract_eval(abstract)
     mlir.register_lowering(
-        primitive, mlir.lower_fun(lambda *a, **p: dense(*a, **p), multiple_results=False)
+        primitive,
+        mlir.lower_fun(lambda *a, **p: dense(*a, **p), multiple_results=False),
     )
 
     def batch_rule(args, dims, *, batch_ndim, **params):

@@ -14,6 +14,7 @@ import jax.extend.core as jexc
 import quax
 from jaxtyping import ArrayLike
 
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -44,9 +45,13 @@ def type_label(annotation: Any) -> str:
         return "dense"
     if isinstance(annotation, type):
         return annotation.__name__
-    args = typing.get_args(annotation)
+    args = set(typing.get_args(annotation))
+    dense = set(typing.get_args(ArrayLike))
     if args:
-        return "|".join(sorted(type_label(a) for a in args))
+        labels = {type_label(a) for a in args - dense} | (
+            {"dense"} if dense <= args else set()
+        )
+        return "|".join(sorted(labels))
     return str(annotation)
 
 
@@ -54,10 +59,14 @@ def _operand_labels(fn: Callable[..., Any]) -> tuple[str, ...]:
     hints = typing.get_type_hints(fn)
     labels = []
     for parameter in inspect.signature(fn).parameters.values():
-        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD or (
-            parameter.kind is inspect.Parameter.POSITIONAL_ONLY
+        label = type_label(hints.get(parameter.name, Any))
+        if parameter.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.POSITIONAL_ONLY,
         ):
-            labels.append(type_label(hints.get(parameter.name, Any)))
+            labels.append(label)
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            labels.append("*" + label)
     return tuple(labels)
 
 

@@ -45,7 +45,9 @@ def check_finite(name: str, x: Any) -> None:
         )
 
 
-def check_positive_int(name: str, value: Any, *, upper: int | None = None, hint: str = "") -> int:
+def check_positive_int(
+    name: str, value: Any, *, upper: int | None = None, hint: str = ""
+) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be a Python int, got {value!r}.")
     value = int(value)

@@ -263,7 +263,7 @@ def test_compress_cotangent_without_our_entry_points_is_the_same_dense_value():
 
 @pytest.mark.parametrize(
     "wrap",
-    [jax.jit, jax.checkpoint, lambda f: (lambda w: jax.lax.cond(True, f, f, w))],
+    [jax.jit, jax.checkpoint, lambda f: lambda w: jax.lax.cond(True, f, f, w)],
     ids=["jit", "checkpoint", "cond"],
 )
 def test_compress_cotangent_inside_transforms(wrap):
@@ -327,7 +327,9 @@ def _produced(jitted, arg, shape):
 
 def test_factored_matmul_checks_shapes():
     with pytest.raises(ValueError, match="`x` of shape \\(..., m\\) and `w`"):
-        qt.grad(lambda w: jnp.sum(qt.factored_matmul(jnp.ones((2, 3)), w)))(jnp.ones((4, 5)))
+        qt.grad(lambda w: jnp.sum(qt.factored_matmul(jnp.ones((2, 3)), w)))(
+            jnp.ones((4, 5))
+        )
 
 
 def test_grad_argnums_has_aux_and_scalar_check():

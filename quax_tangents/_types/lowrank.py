@@ -112,8 +112,14 @@ def low_rank(
     )
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
-    if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
-        raise ValueError(f"`oversample` must be a non-negative int, got {oversample!r}.")
+    if (
+        isinstance(oversample, bool)
+        or not isinstance(oversample, int)
+        or oversample < 0
+    ):
+        raise ValueError(
+            f"`oversample` must be a non-negative int, got {oversample!r}."
+        )
     _validate.check_finite("x", x)
     key = jax.random.key(0) if key is None else key
 
@@ -151,7 +157,7 @@ def _budget_rank(m: int, n: int) -> int:
     return max((m * n - 1) // (m + n), 1)
 
 
-def _truncate(left: Array, right: Array, rank: int) -> tuple[Array, Array]:
+def truncate(left: Array, right: Array, rank: int) -> tuple[Array, Array]:
     """The best rank-`rank` approximation of `left @ right.T`, from the factors only."""
     dtype = left.dtype
     work = jnp.promote_types(dtype, jnp.float32)
@@ -163,16 +169,18 @@ def _truncate(left: Array, right: Array, rank: int) -> tuple[Array, Array]:
     return new_left.astype(dtype), new_right.astype(dtype)
 
 
-def _within_budget(primitive: Any, left: Array, right: Array) -> LowRank | Array:
+def within_budget(primitive: Any, left: Array, right: Array) -> LowRank | Array:
     """Builds the LowRank of concatenated factors, applying the rank budget."""
     rank, (m, n) = left.shape[-1], (left.shape[-2], right.shape[-2])
     action, max_rank = budget_settings()
-    limit = _budget_rank(m, n) if max_rank is None else min(_budget_rank(m, n), max_rank)
+    limit = (
+        _budget_rank(m, n) if max_rank is None else min(_budget_rank(m, n), max_rank)
+    )
     if rank * (m + n) < m * n and (max_rank is None or rank <= max_rank):
         return LowRank(left, right)
     if action == "recompress":
         record_budget_event(primitive.name, "recompress")
-        return LowRank(*_truncate(left, right, min(limit, rank)))
+        return LowRank(*truncate(left, right, min(limit, rank)))
     record_densification(
         primitive.name,
         ("LowRank",),
@@ -225,7 +233,10 @@ def _scale(x: LowRank, y: ArrayLike, params: dict) -> LowRank | Array:
     rows, cols = y.shape[-2:]
     if out_shape[-2:] != (m, n) or (rows != 1 and cols != 1):
         return densify(
-            jax.lax.mul_p, [x, y], params, reason="elementwise product with a full matrix"
+            jax.lax.mul_p,
+            [x, y],
+            params,
+            reason="elementwise product with a full matrix",
         )
     lead = out_shape[:-2]
     left = jnp.broadcast_to(x.left, lead + x.left.shape[-2:])
@@ -257,7 +268,7 @@ def _concat(primitive: Any, x: LowRank, y: LowRank, sign: int) -> LowRank | Arra
         )
     left = jnp.concatenate([x.left, y.left if sign > 0 else -y.left], axis=-1)
     right = jnp.concatenate([x.right, y.right], axis=-1)
-    return _within_budget(primitive, left, right)
+    return within_budget(primitive, left, right)
 
 
 @rule(add_any_p)
@@ -299,7 +310,9 @@ def _transpose(x: LowRank, *, permutation: tuple[int, ...]) -> LowRank | Array:
 
 
 @rule(jax.lax.reshape_p)
-def _reshape(x: LowRank, *, new_sizes: tuple[int, ...], **params: Any) -> LowRank | Array:
+def _reshape(
+    x: LowRank, *, new_sizes: tuple[int, ...], **params: Any
+) -> LowRank | Array:
     if params.get("dimensions") is None and tuple(new_sizes[-2:]) == x.shape[-2:]:
         lead = tuple(new_sizes[:-2])
         left = jnp.reshape(x.left, lead + x.left.shape[-2:])
@@ -315,7 +328,11 @@ def _reshape(x: LowRank, *, new_sizes: tuple[int, ...], **params: Any) -> LowRan
 
 @rule(jax.lax.broadcast_in_dim_p)
 def _broadcast(
-    x: LowRank, *, shape: tuple[int, ...], broadcast_dimensions: tuple[int, ...], **params
+    x: LowRank,
+    *,
+    shape: tuple[int, ...],
+    broadcast_dimensions: tuple[int, ...],
+    **params,
 ) -> LowRank | Array:
     new = len(shape) - x.ndim
     if tuple(broadcast_dimensions) == tuple(range(new, len(shape))) and (
@@ -349,12 +366,14 @@ def _reduce_sum(x: LowRank, *, axes: tuple[int, ...], **params: Any) -> LowRank 
 
         def gather(factor: Array) -> Array:
             moved = jnp.transpose(factor, order)
-            moved = jnp.moveaxis(moved.reshape(lead + (-1,) + factor.shape[-2:]), -3, -2)
+            moved = jnp.moveaxis(
+                moved.reshape(lead + (-1,) + factor.shape[-2:]), -3, -2
+            )
             return moved.reshape(lead + (factor.shape[-2], rank))
 
         left, right = gather(left), gather(right)
         if not matrix_axes:
-            return _within_budget(jax.lax.reduce_sum_p, left, right)
+            return within_budget(jax.lax.reduce_sum_p, left, right)
     nb = left.ndim - 2
     if matrix_axes == (x.ndim - 2, x.ndim - 1):
         result = jnp.einsum("...mr,...nr->...", left, right)
@@ -411,8 +430,11 @@ def _dot(x: LowRank, d: Array, x_is_lhs: bool, params: dict) -> LowRank | Array:
         kept = jnp.expand_dims(kept, tuple(range(nb, nb + len(d_free) - 1)))
         return LowRank(applied, jnp.broadcast_to(kept, lead + kept.shape[-2:]))
     if x_is_lhs:
-        result = jnp.einsum("...pr,...Fr->...pF", kept, applied.reshape(
-            applied.shape[:nb] + (-1, applied.shape[-1])))
+        result = jnp.einsum(
+            "...pr,...Fr->...pF",
+            kept,
+            applied.reshape(applied.shape[:nb] + (-1, applied.shape[-1])),
+        )
         result = result.reshape(kept.shape[:-1] + d_free)
     else:
         result = jnp.einsum("...r,...pr->...p", applied, kept)

@@ -8,11 +8,16 @@ from quax_tangents._base import CompressedArray
 from quax_tangents._lax import add_any_p
 from tests.helpers.cases import Case, case
 from tests.helpers.lowrank import lowrank_values
+from tests.helpers.quantized import quantized_values
+from tests.helpers.signnorm import signnorm_values
+from tests.helpers.sparse import sparse_values
 
 
 def compressed_values():
     """A value of any compressed type."""
-    return st.one_of(lowrank_values())
+    return st.one_of(
+        lowrank_values(), sparse_values(), quantized_values(), signnorm_values()
+    )
 
 
 def _with_zero(fn, zero_first):

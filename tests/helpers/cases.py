@@ -12,6 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+
 CASES: dict[tuple[str, tuple[str, ...]], Callable[[], Any]] = {}
 
 

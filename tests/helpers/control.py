@@ -51,7 +51,9 @@ def _outer_operands(draw):
     assume(rows * (m + n) < m * n)
     dtype = draw(float_dtypes())
     seed = draw(seeds())
-    return random_array(seed, (rows, m), dtype), random_array(seed + 1, (rows, n), dtype)
+    return random_array(seed, (rows, m), dtype), random_array(
+        seed + 1, (rows, n), dtype
+    )
 
 
 @case("outer", "dense", "dense")
@@ -82,7 +84,9 @@ def _remat():
         x = draw(lowrank_values(dtype=jnp.float32, batch_dims=0))
         w = random_array(draw(seeds()), (x.shape[1], draw(st.integers(1, 5))))
         fn = jax.checkpoint(lambda a, b: jnp.sin(1.0) * (a @ b))
-        return Case(fn, (x, w), out_type=qt.LowRank, factor=2.0, scale=float(x.shape[1]))
+        return Case(
+            fn, (x, w), out_type=qt.LowRank, factor=2.0, scale=float(x.shape[1])
+        )
 
     return draw_case()
 
@@ -119,5 +123,24 @@ def _scan():
             return jax.lax.scan(body, carry, scales)
 
         return Case(fn, (x, scales), out_type=None, factor=2.0)
+
+    return draw_case()
+
+
+@case("while", "*ArrayValue|dense")
+def _while():
+    @st.composite
+    def draw_case(draw):
+        x = draw(lowrank_values(dtype=jnp.float32, batch_dims=0))
+        steps = draw(st.integers(0, 3))
+
+        def fn(carry):
+            def body(state):
+                i, c = state
+                return i + 1, 0.5 * c
+
+            return jax.lax.while_loop(lambda s: s[0] < steps, body, (0, carry))[1]
+
+        return Case(fn, (x,), out_type=qt.LowRank)
 
     return draw_case()

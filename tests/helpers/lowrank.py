@@ -200,7 +200,9 @@ def _dot_case(draw, lowrank_is_lhs):
     n_free = 1 if lowrank_is_lhs else draw(st.integers(1, 2))
     free = tuple(draw(st.integers(1, 4)) for _ in range(n_free))
     # Put the dense operand's dims in a drawn order.
-    dims = [("b", i) for i in range(nb)] + [("c", 0)] + [("f", i) for i in range(n_free)]
+    dims = (
+        [("b", i) for i in range(nb)] + [("c", 0)] + [("f", i) for i in range(n_free)]
+    )
     dims = draw(st.permutations(dims))
     sizes = {("c", 0): k} | {("b", i): batch[i] for i in range(nb)}
     sizes |= {("f", i): free[i] for i in range(n_free)}

@@ -35,7 +35,11 @@ def test_rank_4_on_2048_squared_stores_256x_fewer_bytes():
         (jnp.zeros((2, 4, 2)), jnp.zeros((3, 5, 2)), "same leading dims"),
         (jnp.zeros((4,)), jnp.zeros((5, 2)), "`left` must have at least 2"),
         (jnp.zeros((4, 2)), jnp.zeros((5, 2), jnp.bfloat16), "Mixed dtypes"),
-        (jnp.zeros((4, 2), jnp.int32), jnp.zeros((5, 2), jnp.int32), "`left` has dtype"),
+        (
+            jnp.zeros((4, 2), jnp.int32),
+            jnp.zeros((5, 2), jnp.int32),
+            "`left` has dtype",
+        ),
         (jnp.full((4, 2), jnp.nan), jnp.zeros((5, 2)), "`left` contains NaN"),
         (jnp.zeros((4, 2)), jnp.full((5, 2), jnp.inf), "`right` contains NaN or Inf"),
     ],
@@ -47,8 +51,11 @@ def test_bad_factors(left, right, match):
 
 @pytest.mark.parametrize(
     "rank, error, match",
-    [(5, ValueError, "`rank`=5 is larger than 4"), (0, ValueError, "`rank` must be"),
-     (1.5, TypeError, "`rank` must be a Python int")],
+    [
+        (5, ValueError, "`rank`=5 is larger than 4"),
+        (0, ValueError, "`rank` must be"),
+        (1.5, TypeError, "`rank` must be a Python int"),
+    ],
 )
 def test_low_rank_bad_rank(rank, error, match):
     with pytest.raises(error, match=match):
@@ -266,13 +273,20 @@ def test_unsupported_structural_ops_densify_exactly():
         (lambda a: jnp.transpose(a, (1, 0, 2)), "transpose"),
         (lambda a: jnp.reshape(a, (6, 4)), "reshape"),
         (lambda a: a.astype(jnp.int32), "convert_element_type"),
-        (lambda a: jax.lax.dot_general(a, jnp.ones((2, 3, 4)), (((1, 2), (1, 2)), ((0,), (0,)))), "dot_general"),
+        (
+            lambda a: jax.lax.dot_general(
+                a, jnp.ones((2, 3, 4)), (((1, 2), (1, 2)), ((0,), (0,)))
+            ),
+            "dot_general",
+        ),
     ]
     for fn, name in checks:
         qt.reset_fallback_counts()
         with qt.fallback("silent"):
             out = quax.quaxify(fn)(x)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(fn(dense)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out), np.asarray(fn(dense)), rtol=1e-5, atol=1e-5
+        )
         assert qt.fallback_counts() == {(name, "LowRank"): 1}, name
 
 

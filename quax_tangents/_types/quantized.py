@@ -1,0 +1,373 @@
+"""Block-wise symmetric quantisation: `Quantized` and its compressor `quantize`."""
+
+# jaxtyping shape strings such as "*batch n" are not Python expressions.
+# ruff: noqa: F722
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, UInt8
+
+from .. import _validate
+from .._base import CompressedArray, densify
+from .._registry import rule
+from . import _blocked
+
+
+_QMAX = {8: 127, 4: 7}
+_CODE_DTYPE = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.uint8)}
+
+
+def _check_bits(name: str, bits: Any) -> int:
+    if isinstance(bits, bool) or bits not in _QMAX:
+        raise ValueError(f"`{name}` must be 4 or 8, got {bits!r}.")
+    return int(bits)
+
+
+def _check_block_size(block_size: Any, bits: int) -> int:
+    block_size = _validate.check_positive_int("block_size", block_size)
+    if bits == 4 and block_size % 2:
+        raise ValueError(
+            f"`block_size` must be even for bits=4 (two 4-bit codes share a byte), got "
+            f"{block_size}."
+        )
+    return block_size
+
+
+class Quantized(CompressedArray):
+    """An array stored as block-wise symmetric integer codes with one float32 scale per
+    block.
+
+    **Layout.** The trailing `event_shape` dims of the represented array are flattened
+    row-major, zero-padded at the end to a multiple of `block_size` and split into
+    `num_blocks = ceil(prod(event_shape) / block_size)` blocks. Element `j` of block
+    `b` represents `codes[..., b, j] * scales[..., b]`; the padding is dropped when the
+    value is materialised, which casts to `dtype` last. Leading dims of `codes` and
+    `scales` beyond the block dims are batch dims (for example from `jax.vmap`).
+
+    - 8 bits: `codes` is int8 of shape `(*batch, num_blocks, block_size)`, values in
+      `[-127, 127]`.
+    - 4 bits: `codes` is uint8 of shape `(*batch, num_blocks, block_size // 2)`, two
+      codes per byte: element `2i` in the low nibble, `2i + 1` in the high nibble,
+      each a 4-bit two's complement number in `[-7, 7]`.
+
+    `scales` is float32 of shape `(*batch, num_blocks)` and may be negative (negation
+    flips the scales, not the codes).
+
+    Create one with [`quax_tangents.quantize`][].
+    """
+
+    codes: Array
+    scales: Array
+    event_shape: tuple[int, ...] = eqx.field(static=True)
+    bits: int = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+    value_dtype: Any = eqx.field(static=True)
+
+    def __init__(
+        self,
+        codes: Int[ArrayLike, "*batch blocks width"],
+        scales: Float[ArrayLike, "*batch blocks"],
+        *,
+        event_shape: tuple[int, ...],
+        bits: int,
+        block_size: int,
+        dtype: Any = jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `codes`: int8 codes `(*batch, num_blocks, block_size)` for `bits=8`, or uint8
+            packed codes `(*batch, num_blocks, block_size // 2)` for `bits=4`.
+        - `scales`: float32 `(*batch, num_blocks)`, finite.
+        - `event_shape`: the trailing dims of the represented array.
+        - `bits`: 4 or 8.
+        - `block_size`: elements per block (even for 4 bits).
+        - `dtype`: the floating dtype of the represented array.
+        """
+        self.codes = jnp.asarray(codes)
+        self.scales = jnp.asarray(scales)
+        self.event_shape = (
+            tuple(event_shape) if isinstance(event_shape, list) else event_shape
+        )
+        self.bits = bits
+        self.block_size = block_size
+        try:
+            self.value_dtype = jnp.dtype(dtype)
+        except TypeError:
+            self.value_dtype = dtype
+
+    def __check_init__(self):
+        self._check_structure()
+        _validate.check_finite("scales", self.scales)
+
+    def _check_structure(self) -> None:
+        bits = _check_bits("bits", self.bits)
+        _check_block_size(self.block_size, bits)
+        event_shape = _blocked.check_event_shape("event_shape", self.event_shape)
+        if not isinstance(self.event_shape, tuple):
+            raise TypeError(f"`event_shape` must be a tuple, got {self.event_shape!r}.")
+        _blocked.check_value_dtype("dtype", self.value_dtype)
+        width = self.block_size if bits == 8 else self.block_size // 2
+        expected = _blocked.num_blocks(
+            _blocked.event_size(event_shape), self.block_size
+        )
+        _validate.check_ndim("codes", self.codes, 2)
+        code_dtype = jnp.result_type(self.codes)
+        if code_dtype != _CODE_DTYPE[bits]:
+            raise TypeError(
+                f"`codes` must have dtype {_CODE_DTYPE[bits]} for bits={bits}, got "
+                f"{code_dtype}."
+            )
+        shape = self.codes.shape
+        _blocked.check_shape(
+            "codes",
+            shape,
+            (*shape[:-2], expected, width),
+            f"num_blocks=ceil({_blocked.event_size(event_shape)}/{self.block_size}) "
+            f"blocks of {width} {'bytes' if bits == 4 else 'codes'}",
+        )
+        _validate.check_dtype("scales", self.scales, jnp.float32)
+        _blocked.check_shape(
+            "scales", self.scales.shape, shape[:-1], "one scale per block of `codes`"
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per batch element."""
+        return self.codes.shape[-2]
+
+    @property
+    def qmax(self) -> int:
+        """The largest code magnitude: 127 for 8 bits, 7 for 4 bits."""
+        return _QMAX[self.bits]
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(
+            (*self.codes.shape[:-2], *self.event_shape), self.value_dtype
+        )
+
+    def integer_codes(self) -> Int[Array, "*batch blocks block_size"]:
+        """The codes as int32, one per element (4-bit codes unpacked)."""
+        return _integer_codes(self.codes, self.bits)
+
+    def materialise(self) -> Array:
+        return _decode(
+            self.codes, self.scales, self.event_shape, self.bits, self.value_dtype
+        )
+
+    def _replace(self, **changes: Any) -> "Quantized":
+        return _blocked.unchecked(type(self), **{**_blocked.fields_of(self), **changes})
+
+
+def _pack_nibbles(codes: Int[Array, "*b n"]) -> UInt8[Array, "*b n//2"]:
+    nibbles = (codes & 0xF).astype(jnp.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: UInt8[Array, "*b m"]) -> Int[Array, "*b 2*m"]:
+    low = (packed & 0xF).astype(jnp.int32)
+    high = (packed >> 4).astype(jnp.int32)
+    both = jnp.stack([low, high], axis=-1)
+    both = both.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return (both ^ 8) - 8  # 4-bit two's complement -> signed
+
+
+def _integer_codes(codes: Array, bits: int) -> Array:
+    if bits == 8:
+        return codes.astype(jnp.int32)
+    return _unpack_nibbles(codes)
+
+
+# Jitted so that eager use compiles one kernel per shape instead of one per op.
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _decode(codes, scales, event_shape, bits, dtype) -> Array:
+    values = _integer_codes(codes, bits).astype(jnp.float32) * scales[..., None]
+    return _blocked.unblock(values, event_shape, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _encode(x, bits: int, block_size: int, key) -> tuple[Array, Array]:
+    qmax = _QMAX[bits]
+    blocks = _blocked.flat_blocks(
+        x, _blocked.num_blocks(x.size, block_size), block_size
+    )
+    scales = jnp.max(jnp.abs(blocks), axis=-1, initial=0.0) / qmax
+    scaled = blocks / jnp.where(scales > 0, scales, 1.0)[..., None]
+    if key is None:
+        rounded = jnp.round(scaled)
+    else:
+        noise = jax.random.uniform(key, scaled.shape, jnp.float32)
+        rounded = jnp.floor(scaled + noise)
+    codes = jnp.clip(rounded, -qmax, qmax).astype(jnp.int32)
+    codes = codes.astype(jnp.int8) if bits == 8 else _pack_nibbles(codes)
+    return codes, scales
+
+
+def quantize(
+    x: Float[ArrayLike, "*shape"],
+    bits: int = 8,
+    block_size: int = 256,
+    *,
+    key: PRNGKeyArray | None = None,
+) -> Quantized:
+    """Block-wise symmetric quantisation of `x`.
+
+    `x` is flattened row-major, zero-padded and split into blocks of `block_size`
+    elements (see [`quax_tangents.Quantized`][] for the layout). Each block gets the
+    scale `max|block| / qmax` (`qmax` is 127 for 8 bits, 7 for 4 bits; an all-zero
+    block gets scale 0 and decodes to zeros) and codes `x / scale`, rounded to the
+    nearest integer (ties to even), or, given `key`, rounded stochastically:
+    `floor(x / scale + u)` with `u ~ U[0, 1)` drawn independently per element
+    (QSGD-style), which is unbiased: `E[dequantised] = x`.
+
+    A `block_size` larger than `x` is reduced to `x.size` (rounded up to even for 4
+    bits), so a small array is one block without padding.
+
+    **Error bound.** Per element, with `scale` the scale of its block, the value before
+    the final cast to `x.dtype` satisfies `|x - deq| <= scale / 2` for nearest rounding
+    and `|x - deq| < scale` for stochastic rounding, up to float32 rounding of
+    `x / scale` and `code * scale` (a relative error of a few 1e-7 of `|x|`). The cast
+    to a half-precision `dtype` adds its own rounding. A block whose `max|block| / qmax`
+    underflows float32 (below about 1e-36) is stored as zeros.
+
+    Works under `jax.jit` and `jax.vmap`; deterministic given `key`.
+
+    **Arguments:**
+
+    - `x`: a finite floating array (finiteness is checked when `x` is concrete).
+    - `bits`: 8 (int8 codes) or 4 (two codes per uint8 byte). Static.
+    - `block_size`: elements per block, a positive Python int (even for 4 bits).
+        Static.
+    - `key`: optional PRNG key; selects unbiased stochastic rounding.
+
+    **Returns:**
+
+    A `Quantized` with `event_shape == x.shape` and `dtype == x.dtype`.
+    """
+    bits = _check_bits("bits", bits)
+    block_size = _check_block_size(block_size, bits)
+    _validate.check_floating("x", x)
+    _validate.check_finite("x", x)
+    x = jnp.asarray(x)
+    size = x.size
+    block_size = min(block_size, max(size, 1))
+    if bits == 4 and block_size % 2:
+        block_size += 1
+    codes, scales = _encode(x, bits, block_size, key)
+    return Quantized(
+        codes,
+        scales,
+        event_shape=x.shape,
+        bits=bits,
+        block_size=block_size,
+        dtype=x.dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Rules. Each keeps the type where the result is exactly representable and otherwise
+# densifies through `densify` (counted, subject to the fallback mode).
+
+
+@rule(lax.neg_p)
+def _neg(x: Quantized) -> Quantized:
+    return x._replace(scales=-x.scales)
+
+
+def _scale(x: Quantized, other: ArrayLike, values, params) -> Quantized | Array:
+    scalar = _blocked.scalar_operand(x.shape, other)
+    out_dtype = params.get("out_dtype")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if scalar is None:
+        return densify(lax.mul_p, values, params, reason="product with a non-scalar")
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        return densify(lax.mul_p, values, params, reason="non-floating `out_dtype`")
+    return x._replace(
+        scales=x.scales * scalar.astype(jnp.float32), value_dtype=jnp.dtype(out_dtype)
+    )
+
+
+@rule(lax.mul_p)
+def _mul_scalar_right(x: Quantized, y: ArrayLike, **params: Any) -> Quantized | Array:
+    return _scale(x, y, (x, y), params)
+
+
+@rule(lax.mul_p)
+def _mul_scalar_left(x: ArrayLike, y: Quantized, **params: Any) -> Quantized | Array:
+    return _scale(y, x, (x, y), params)
+
+
+@rule(lax.convert_element_type_p)
+def _convert_element_type(x: Quantized, **params: Any) -> Quantized | Array:
+    new_dtype = jnp.dtype(params["new_dtype"])
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return densify(
+            lax.convert_element_type_p,
+            (x,),
+            params,
+            reason=f"conversion to {new_dtype}",
+        )
+    if params.get("sharding") is not None:
+        return densify(
+            lax.convert_element_type_p, (x,), params, reason="explicit output sharding"
+        )
+    return x._replace(value_dtype=new_dtype)
+
+
+@rule(lax.copy_p)
+def _copy(x: Quantized) -> Quantized:
+    return x._replace(codes=jnp.copy(x.codes), scales=jnp.copy(x.scales))
+
+
+def _permute_batch(x: Quantized, batch_perm: tuple[int, ...]) -> Quantized:
+    n_batch = len(batch_perm)
+    if batch_perm == tuple(range(n_batch)):
+        return x
+    return x._replace(
+        codes=jnp.transpose(x.codes, (*batch_perm, n_batch, n_batch + 1)),
+        scales=jnp.transpose(x.scales, (*batch_perm, n_batch)),
+    )
+
+
+@rule(lax.transpose_p)
+def _transpose(x: Quantized, **params: Any) -> Quantized | Array:
+    permutation = params["permutation"]
+    n_batch = x.codes.ndim - 2
+    layout = _blocked.transpose_event(x.shape, n_batch, permutation)
+    if layout is None:
+        return densify(
+            lax.transpose_p,
+            (x,),
+            params,
+            reason="the permutation reorders the flat event elements",
+        )
+    batch_perm, event_shape = layout
+    return _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
+
+
+@rule(lax.reshape_p)
+def _reshape(x: Quantized, **params: Any) -> Quantized | Array:
+    n_batch = x.codes.ndim - 2
+    shape, out = x.shape, x
+    dimensions = params.get("dimensions")
+    if params.get("sharding") is not None:
+        return densify(lax.reshape_p, (x,), params, reason="explicit output sharding")
+    if dimensions is not None:
+        layout = _blocked.transpose_event(shape, n_batch, dimensions)
+        if layout is None:
+            return densify(
+                lax.reshape_p, (x,), params, reason="`dimensions` reorders the elements"
+            )
+        batch_perm, event_shape = layout
+        out = _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
+        shape = out.shape
+    event_shape = _blocked.reshape_event(shape, n_batch, params["new_sizes"])
+    if event_shape is None:
+        return densify(
+            lax.reshape_p, (x,), params, reason="the reshape moves batch dims"
+        )
+    return out._replace(event_shape=event_shape)

@@ -1,0 +1,688 @@
+"""`Sparse`: a k-sparse array of (flat index, value) pairs, and its compressor `top_k`.
+
+A `Sparse` stores `indices` and `values` of shape `(*batch, k)`. Each index is a flat,
+row-major index into the trailing "event" dimensions `event_shape`; the represented
+dense array has shape `(*batch, *event_shape)`. Duplicate indices add up. Rules keep
+the value sparse wherever the exact result is sparse, by remapping indices (reshape,
+transpose, reductions), gathering the dense operand at the indices (elementwise
+products, `dot_general`) or concatenating along `k` (sums of two `Sparse`).
+"""
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend.core as jexc
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .. import _validate
+from .._base import CompressedArray, densify
+from .._fallback import record_densification
+from .._lax import add_any_p
+from .._registry import rule
+
+
+_INDEX_DTYPE = jnp.int32
+_MAX_SIZE = int(np.iinfo(np.int32).max)
+_INDEX_BYTES = jnp.dtype(_INDEX_DTYPE).itemsize
+
+
+def _size(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _accumulation_dtype(dtype: Any) -> Any:
+    """Sums of half-precision values accumulate in float32, as XLA does for dense
+    reductions; wider dtypes accumulate in themselves."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    strides = []
+    stride = 1
+    for side in reversed(shape):
+        strides.append(stride)
+        stride *= side
+    return strides[::-1]
+
+
+def _unravel(flat: Array, shape: Sequence[int]) -> list[Array]:
+    """Row-major coordinates of non-negative flat indices (each of `flat`'s shape)."""
+    coords = []
+    for axis, (stride, side) in enumerate(zip(_strides(shape), shape, strict=True)):
+        coord = flat if stride == 1 else jax.lax.div(flat, _INDEX_DTYPE(stride))
+        if axis > 0:
+            coord = jax.lax.rem(coord, _INDEX_DTYPE(max(side, 1)))
+        coords.append(coord)
+    return coords
+
+
+def _ravel(coords: Sequence[Array], shape: Sequence[int], like: Array) -> Array:
+    """Row-major flat indices of coordinates; zeros shaped like `like` for `()`."""
+    flat = None
+    for coord, stride in zip(coords, _strides(shape), strict=True):
+        term = coord.astype(_INDEX_DTYPE)
+        term = term if stride == 1 else term * _INDEX_DTYPE(stride)
+        flat = term if flat is None else flat + term
+    return jnp.zeros(jnp.shape(like), _INDEX_DTYPE) if flat is None else flat
+
+
+def _gather(array: Array, *indices: Array) -> Array:
+    return array.at[indices].get(mode="promise_in_bounds", wrap_negative_indices=False)
+
+
+def _scatter_add(array: Array, indices: Any, updates: Array) -> Array:
+    return array.at[indices].add(updates, mode="drop", wrap_negative_indices=False)
+
+
+def _fits(shape: Sequence[int]) -> bool:
+    return _size(shape) <= _MAX_SIZE
+
+
+class Sparse(CompressedArray):
+    """A k-sparse array: `k` (flat index, value) pairs per batch element.
+
+    Duplicate indices add up. The dense array has shape `(*batch, *event_shape)`,
+    where `batch = indices.shape[:-1]`; `event_shape` is static and describes the
+    trailing dimensions only, so `jax.vmap`/`lax.scan` may stack the leaves.
+    Materialising half-precision values accumulates duplicates in float32 and
+    rounds once.
+
+    **Arguments:**
+
+    - `indices`: integer array of shape `(*batch, k)`: flat row-major indices into
+        the trailing `shape[len(batch):]` dimensions, each in `[0, prod(event))`.
+        Stored as int32.
+    - `values`: floating array of the same shape as `indices`.
+    - `shape`: the full dense shape; its leading `len(batch)` dimensions must equal
+        `indices.shape[:-1]` (for 1-D `indices` this is the whole array's shape).
+    """
+
+    indices: Int[Array, "*batch k"]  # noqa: F722
+    values: Float[Array, "*batch k"]  # noqa: F722
+    event_shape: tuple[int, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        indices: Int[ArrayLike, "*batch k"],  # noqa: F722
+        values: Float[ArrayLike, "*batch k"],  # noqa: F722
+        shape: Sequence[int],
+    ):
+        # Range-check concrete indices before any cast to int32 could wrap them.
+        raw = None if not _validate.is_concrete(indices) else np.asarray(indices)
+        indices = jnp.asarray(indices)
+        values = jnp.asarray(values)
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(
+                f"`indices` has dtype {indices.dtype}; it must be an integer array of "
+                "flat row-major indices, e.g. `jnp.ravel_multi_index(...)`."
+            )
+        _validate.check_ndim("indices", indices, 1)
+        shape = _check_shape(shape, indices.shape[:-1])
+        event_shape = shape[indices.ndim - 1 :]
+        if not _fits(event_shape):
+            raise ValueError(
+                f"`shape` {shape} has {_size(event_shape)} event elements, more than "
+                f"int32 indices can address ({_MAX_SIZE}); split the array."
+            )
+        if raw is not None and raw.size:
+            low, high = int(np.min(raw)), int(np.max(raw))
+            if low < 0 or high >= _size(event_shape):
+                raise ValueError(
+                    f"`indices` range over [{low}, {high}], outside [0, "
+                    f"{_size(event_shape)}) for the event shape {event_shape} of "
+                    f"`shape` {shape}. Use flat row-major indices into the trailing "
+                    "dimensions."
+                )
+        self.indices = indices.astype(_INDEX_DTYPE)
+        self.values = values
+        self.event_shape = event_shape
+
+    def __check_init__(self):
+        _validate.check_dtype("indices", self.indices, _INDEX_DTYPE)
+        _validate.check_floating("values", self.values)
+        if self.indices.shape != self.values.shape:
+            raise ValueError(
+                f"`indices` has shape {self.indices.shape} but `values` has shape "
+                f"{self.values.shape}; they must match, (*batch, k)."
+            )
+        _validate.check_finite("values", self.values)
+
+    @classmethod
+    def _build(
+        cls, indices: Array, values: Array, event_shape: Sequence[int]
+    ) -> "Sparse":
+        """Unchecked construction for rules (as unflattening does): rule outputs
+        may legitimately hold non-finite values, and checks would sync eagerly."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "indices", jnp.asarray(indices, _INDEX_DTYPE))
+        object.__setattr__(out, "values", values)
+        object.__setattr__(out, "event_shape", tuple(int(d) for d in event_shape))
+        return out
+
+    @property
+    def k(self) -> int:
+        """Number of stored entries per batch element."""
+        return self.indices.shape[-1]
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(
+            self.indices.shape[:-1] + self.event_shape, self.values.dtype
+        )
+
+    def materialise(self) -> Array:
+        return _materialise(self)
+
+
+@jax.jit
+def _materialise(x: Sparse) -> Array:
+    batch = x.indices.shape[:-1]
+    acc = _accumulation_dtype(x.values.dtype)
+    rows = _size(batch)
+    indices = x.indices.reshape(rows, x.k)
+    values = x.values.reshape(rows, x.k).astype(acc)
+    row = jnp.arange(rows, dtype=_INDEX_DTYPE)[:, None]
+    dense = jnp.zeros((rows, _size(x.event_shape)), acc)
+    dense = _scatter_add(dense, (row, indices), values)
+    return dense.astype(x.values.dtype).reshape(batch + x.event_shape)
+
+
+def _check_shape(shape: Any, batch: tuple[int, ...]) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+        for d in shape
+    ):
+        raise TypeError(
+            f"`shape` must be a tuple of non-negative ints (the dense shape), got "
+            f"{shape!r}."
+        )
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < len(batch) or shape[: len(batch)] != batch:
+        raise ValueError(
+            f"`shape` {shape} must start with the batch dimensions {batch} of "
+            "`indices`/`values` (their shape without the last, `k`, axis). For one "
+            "set of k entries over the whole array pass 1-D `indices` and `values`."
+        )
+    return shape
+
+
+def _flat(s: Sparse) -> tuple[Array, Array, tuple[int, ...]]:
+    """The same entries as 1-D indices into the whole array (batch dims folded in)."""
+    batch = s.indices.shape[:-1]
+    full = batch + s.event_shape
+    if not batch:
+        return s.indices, s.values, full
+    offsets = jnp.arange(_size(batch), dtype=_INDEX_DTYPE) * _size(s.event_shape)
+    indices = s.indices + offsets.reshape(batch + (1,))
+    return indices.reshape(-1), s.values.reshape(-1), full
+
+
+def _out_aval(
+    primitive: jexc.Primitive, operands: Sequence[Any], params: dict[str, Any]
+) -> jax.ShapeDtypeStruct:
+    """Shape and dtype that the dense computation would have."""
+    structs = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if isinstance(x, Sparse)
+        else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        for x in operands
+    ]
+    return jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *structs)
+
+
+def _sparse_bytes(nnz: int, dtype: Any) -> int:
+    return nnz * (_INDEX_BYTES + jnp.dtype(dtype).itemsize)
+
+
+def _dense_bytes(shape: Sequence[int], dtype: Any) -> int:
+    return _size(shape) * jnp.dtype(dtype).itemsize
+
+
+# ----------------------------------------------------------------------------------
+# Compressor
+
+
+def _resolve_k(k: Any, size: int) -> int:
+    if size == 0:
+        raise ValueError("`x` is empty; top-k needs at least one element.")
+    if isinstance(k, (float, np.floating)):
+        if not 0.0 < k <= 1.0:
+            raise ValueError(
+                f"`k` as a float is the fraction of entries to keep and must be in "
+                f"(0, 1], got {k!r}; pass an int for a count."
+            )
+        return max(1, round(float(k) * size))
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(
+            f"`k` must be an int count in [1, {size}] or a float fraction in (0, 1], "
+            f"got {k!r}."
+        )
+    return _validate.check_positive_int(
+        "k", k, upper=size, hint=f", the number of entries of `x`; use k <= {size}"
+    )
+
+
+def top_k(x: Float[ArrayLike, "..."], k: int | float) -> Sparse:
+    """Keeps the `k` entries of `x` with the largest magnitudes (over the whole,
+    flattened array; ties go to the lower flat index).
+
+    This is the best `k`-sparse approximation of `x` in every l_p norm: the error
+    `x - materialise(top_k(x, k))` holds exactly the dropped entries, so its squared
+    l2 norm is the sum of the `size - k` smallest squared magnitudes, at most
+    `(1 - k/size) * ||x||_2^2`, and no dropped magnitude exceeds a kept one. With
+    `k = x.size` it is exact. Deterministic; works under `jax.jit` and `jax.vmap`
+    (under `vmap` each batch element keeps its own top `k`).
+
+    **Arguments:**
+
+    - `x`: a floating-point array.
+    - `k`: a static Python int in `[1, x.size]`, or a float fraction in `(0, 1]`
+        (then `k = max(1, round(k * x.size))`).
+
+    **Returns:**
+
+    A `Sparse` of `x`'s shape and dtype with 1-D `indices` and `values` of length `k`.
+    """
+    x = jnp.asarray(x)
+    _validate.check_floating("x", x)
+    _validate.check_finite("x", x)
+    return _top_k(x, _resolve_k(k, x.size))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _top_k(x: Array, k: int) -> Sparse:
+    flat = x.reshape(-1)
+    _, indices = jax.lax.top_k(jnp.abs(flat), k)
+    # Valid by construction (and `x` was checked): no checks that would sync.
+    return Sparse._build(indices, _gather(flat, indices), x.shape)
+
+
+# ----------------------------------------------------------------------------------
+# Rules that keep Sparse. Each decides in Python (shapes, bytes, fallback) and runs
+# its index arithmetic as one jitted kernel, so eager use compiles once per shape.
+
+
+@rule(jax.lax.neg_p)
+def _neg(x: Sparse) -> Sparse:
+    return Sparse._build(x.indices, jax.lax.neg(x.values), x.event_shape)
+
+
+@rule(jax.lax.copy_p)
+def _copy(x: Sparse) -> Sparse:
+    return Sparse._build(
+        jax.lax.copy_p.bind(x.indices), jax.lax.copy_p.bind(x.values), x.event_shape
+    )
+
+
+@rule(jax.lax.convert_element_type_p)
+def _convert_element_type(x: Sparse, **params: Any) -> Sparse | Array:
+    new_dtype = params["new_dtype"]
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return densify(
+            jax.lax.convert_element_type_p,
+            [x],
+            params,
+            reason=f"a Sparse holds floating values, not {jnp.dtype(new_dtype)}",
+        )
+    values = jax.lax.convert_element_type_p.bind(
+        x.values, **{**params, "sharding": None}
+    )
+    return Sparse._build(x.indices, values, x.event_shape)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _concatenate(x: Sparse, y: Sparse, negate_y: bool) -> Sparse:
+    y_values = -y.values if negate_y else y.values
+    if x.indices.shape[:-1] == y.indices.shape[:-1] and x.event_shape == y.event_shape:
+        return Sparse._build(
+            jnp.concatenate([x.indices, y.indices], axis=-1),
+            jnp.concatenate([x.values, y_values], axis=-1),
+            x.event_shape,
+        )
+    x_indices, x_values, shape = _flat(x)
+    y_indices, _, _ = _flat(y)
+    return Sparse._build(
+        jnp.concatenate([x_indices, y_indices]),
+        jnp.concatenate([x_values, y_values.reshape(-1)]),
+        shape,
+    )
+
+
+def _sum_of_sparse(
+    primitive: jexc.Primitive, x: Sparse, y: Sparse, negate_y: bool
+) -> Sparse | Array:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return densify(primitive, [x, y], {}, reason="operands of different avals")
+    if not _fits(x.shape):
+        return densify(primitive, [x, y], {}, reason="too large for int32 indices")
+    return _concatenate(x, y, negate_y)
+
+
+@rule(add_any_p)
+def _add_any(x: Sparse, y: Sparse) -> Sparse | Array:
+    return _sum_of_sparse(add_any_p, x, y, negate_y=False)
+
+
+@rule(jax.lax.add_p)
+def _add(x: Sparse, y: Sparse) -> Sparse | Array:
+    return _sum_of_sparse(jax.lax.add_p, x, y, negate_y=False)
+
+
+@rule(jax.lax.sub_p)
+def _sub(x: Sparse, y: Sparse) -> Sparse | Array:
+    return _sum_of_sparse(jax.lax.sub_p, x, y, negate_y=True)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _mul_kernel(
+    s: Sparse,
+    d: Array,
+    sparse_first: bool,
+    out_shape: tuple[int, ...],
+    params: tuple[tuple[str, Any], ...],
+) -> Sparse:
+    def multiply(values: Array, gathered: Array) -> Array:
+        pair = (values, gathered) if sparse_first else (gathered, values)
+        return jax.lax.mul_p.bind(*pair, **dict(params))
+
+    s_shape = s.shape if s.ndim else (1,) * d.ndim
+    # Dims along which the sparse operand is broadcast: each entry spreads over them.
+    expand = [a for a in range(d.ndim) if s_shape[a] == 1 and d.shape[a] != 1]
+    d_flat = d.reshape(-1)
+
+    def dense_index(coords: list[Array], like: Array) -> Array:
+        coords = [c if d.shape[a] != 1 else c * 0 for a, c in enumerate(coords)]
+        return _ravel(coords, d.shape, like)
+
+    if not expand:
+        # Same positions; the values times the (broadcast) dense entries there.
+        indices, _, _ = _flat(s)
+        coords = _unravel(indices.reshape(s.indices.shape), s_shape)
+        gathered = _gather(d_flat, dense_index(coords, s.indices))
+        event_shape = out_shape[s.indices.ndim - 1 :]
+        return Sparse._build(s.indices, multiply(s.values, gathered), event_shape)
+    spread = _size([d.shape[a] for a in expand])
+    indices, values, _ = _flat(s)
+    grid_shape = (indices.size, spread)
+    coords = [
+        jnp.broadcast_to(c[:, None], grid_shape) for c in _unravel(indices, s_shape)
+    ]
+    grid = _unravel(
+        jnp.arange(spread, dtype=_INDEX_DTYPE), [d.shape[a] for a in expand]
+    )
+    for a, g in zip(expand, grid, strict=True):
+        coords[a] = jnp.broadcast_to(g[None, :], grid_shape)
+    like = coords[0]
+    gathered = _gather(d_flat, dense_index(coords, like))
+    product = multiply(jnp.broadcast_to(values[:, None], grid_shape), gathered)
+    out_indices = _ravel(coords, out_shape, like)
+    return Sparse._build(out_indices.reshape(-1), product.reshape(-1), out_shape)
+
+
+def _mul_dense(
+    s: Sparse, d: ArrayLike, sparse_first: bool, params: dict[str, Any]
+) -> Sparse | Array:
+    operands = [s, d] if sparse_first else [d, s]
+    out = _out_aval(jax.lax.mul_p, operands, params)
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return densify(
+            jax.lax.mul_p,
+            operands,
+            params,
+            reason=f"{out.dtype} result is not floating",
+        )
+    d = jnp.asarray(d)
+    if d.ndim == 0:
+        pair = (s.values, d) if sparse_first else (d, s.values)
+        values = jax.lax.mul_p.bind(*pair, **params)
+        return Sparse._build(s.indices, values, s.event_shape)
+    if not (_fits(s.shape) and _fits(out.shape)):
+        return densify(jax.lax.mul_p, operands, params, reason="too large for int32")
+    s_shape = s.shape if s.ndim else (1,) * d.ndim
+    spread = _size([d.shape[a] for a in range(d.ndim) if s_shape[a] == 1])
+    nnz = s.indices.size * spread
+    if spread > 1 and _sparse_bytes(nnz, out.dtype) > _dense_bytes(
+        out.shape, out.dtype
+    ):
+        return densify(
+            jax.lax.mul_p,
+            operands,
+            params,
+            reason=f"broadcasting gives {nnz} entries, more bytes than dense",
+        )
+    static_params = tuple(sorted(params.items()))
+    return _mul_kernel(s, d, sparse_first, tuple(out.shape), static_params)
+
+
+@rule(jax.lax.mul_p)
+def _mul_sparse_dense(x: Sparse, y: ArrayLike, **params: Any) -> Sparse | Array:
+    return _mul_dense(x, y, True, params)
+
+
+@rule(jax.lax.mul_p)
+def _mul_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse | Array:
+    return _mul_dense(y, x, False, params)
+
+
+def _dot_roles(
+    s_ndim: int, d_ndim: int, dimension_numbers: Any, sparse_is_lhs: bool
+) -> tuple[tuple[int, ...], ...]:
+    """(sparse batch, contracting, free dims; dense batch, contracting, free dims)."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if sparse_is_lhs:
+        s_c, d_c, s_b, d_b = lhs_contract, rhs_contract, lhs_batch, rhs_batch
+    else:
+        s_c, d_c, s_b, d_b = rhs_contract, lhs_contract, rhs_batch, lhs_batch
+    s_c, d_c, s_b, d_b = tuple(s_c), tuple(d_c), tuple(s_b), tuple(d_b)
+    s_f = tuple(a for a in range(s_ndim) if a not in s_c + s_b)
+    d_f = tuple(a for a in range(d_ndim) if a not in d_c + d_b)
+    return s_b, s_c, s_f, d_b, d_c, d_f
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _dot_kernel(
+    s: Sparse,
+    d: Array,
+    dimension_numbers: Any,
+    sparse_is_lhs: bool,
+    out_dtype: Any,
+    out_shape: tuple[int, ...],
+    dense: bool,
+) -> Sparse | Array:
+    s_b, s_c, s_f, d_b, d_c, d_f = _dot_roles(
+        s.ndim, d.ndim, dimension_numbers, sparse_is_lhs
+    )
+    batch_shape = tuple(s.shape[a] for a in s_b)
+    contract_shape = tuple(s.shape[a] for a in s_c)
+    s_free_shape = tuple(s.shape[a] for a in s_f)
+    n_free = _size([d.shape[a] for a in d_f])
+    n_s_free = _size(s_free_shape)
+    # Entry t of the sparse operand, at coordinates x_t, contributes
+    # v_t * d[batch(x_t), contract(x_t), j] to the output at (batch(x_t), free(x_t), j)
+    # for every free position j of the dense operand.
+    indices, values, full = _flat(s)
+    coords = _unravel(indices, full)
+    batch_flat = _ravel([coords[a] for a in s_b], batch_shape, indices)
+    contract_flat = _ravel([coords[a] for a in s_c], contract_shape, indices)
+    s_free_flat = _ravel([coords[a] for a in s_f], s_free_shape, indices)
+    d3 = jnp.transpose(d, d_b + d_c + d_f).reshape(
+        _size(batch_shape), _size(contract_shape), n_free
+    )
+    gathered = _gather(d3, batch_flat, contract_flat)  # (nnz, n_free)
+    j = jnp.arange(n_free, dtype=_INDEX_DTYPE)[None, :]
+    if sparse_is_lhs:  # output dims: (batch, sparse free, dense free)
+        out_indices = (batch_flat * n_s_free + s_free_flat)[:, None] * n_free + j
+    else:  # output dims: (batch, dense free, sparse free)
+        out_indices = (batch_flat[:, None] * n_free + j) * n_s_free
+        out_indices = out_indices + s_free_flat[:, None]
+    out_indices = out_indices.reshape(-1)
+    compute = jnp.promote_types(jnp.promote_types(values.dtype, d.dtype), out_dtype)
+    if dense:
+        # Scatter the products straight into the output, accumulating like XLA.
+        acc = _accumulation_dtype(compute)
+        product = values.astype(acc)[:, None] * gathered.astype(acc)
+        result = _scatter_add(
+            jnp.zeros(_size(out_shape), acc), out_indices, product.reshape(-1)
+        )
+        return result.astype(out_dtype).reshape(out_shape)
+    product = values.astype(compute)[:, None] * gathered.astype(compute)
+    return Sparse._build(out_indices, product.astype(out_dtype).reshape(-1), out_shape)
+
+
+def _dot_general(
+    s: Sparse, d: ArrayLike, sparse_is_lhs: bool, params: dict[str, Any]
+) -> Sparse | Array:
+    operands = [s, d] if sparse_is_lhs else [d, s]
+    out = _out_aval(jax.lax.dot_general_p, operands, params)
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return densify(
+            jax.lax.dot_general_p,
+            operands,
+            params,
+            reason=f"{out.dtype} result is not floating",
+        )
+    if not (_fits(s.shape) and _fits(out.shape)):
+        return densify(
+            jax.lax.dot_general_p, operands, params, reason="too large for int32"
+        )
+    d = jnp.asarray(d)
+    numbers = params["dimension_numbers"]
+    *_, d_free = _dot_roles(s.ndim, d.ndim, numbers, sparse_is_lhs)
+    nnz = s.indices.size * _size([d.shape[a] for a in d_free])
+    dense = _sparse_bytes(nnz, out.dtype) > _dense_bytes(out.shape, out.dtype)
+    if dense:
+        record_densification(
+            jax.lax.dot_general_p.name,
+            ("Sparse",),
+            f"the exact sparse result has {nnz} entries, more bytes than the dense "
+            f"{out.dtype}{list(out.shape)} result; computed by a scatter-add",
+        )
+    numbers = tuple(tuple(tuple(dims) for dims in pair) for pair in numbers)
+    return _dot_kernel(
+        s, d, numbers, sparse_is_lhs, jnp.dtype(out.dtype), tuple(out.shape), dense
+    )
+
+
+@rule(jax.lax.dot_general_p)
+def _dot_general_sparse_dense(x: Sparse, y: ArrayLike, **params: Any) -> Sparse | Array:
+    return _dot_general(x, y, True, params)
+
+
+@rule(jax.lax.dot_general_p)
+def _dot_general_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse | Array:
+    return _dot_general(y, x, False, params)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _select_axes(x: Sparse, axes: tuple[int, ...], fold_batch: bool) -> Sparse:
+    """Keeps the event axes `axes`, in that order (of the whole shape if
+    `fold_batch`, after folding the batch dims into the events): a transpose when
+    `axes` is a permutation, a sum over the others otherwise."""
+    if fold_batch:
+        indices, values, shape = _flat(x)
+    else:
+        indices, values, shape = x.indices, x.values, x.event_shape
+    coords = _unravel(indices, shape)
+    new_shape = tuple(shape[a] for a in axes)
+    new_indices = _ravel([coords[a] for a in axes], new_shape, indices)
+    return Sparse._build(new_indices, values, new_shape)
+
+
+@rule(jax.lax.transpose_p)
+def _transpose(x: Sparse, *, permutation: Sequence[int]) -> Sparse | Array:
+    n_batch = x.indices.ndim - 1
+    permutation = tuple(int(p) for p in permutation)
+    if permutation[:n_batch] == tuple(range(n_batch)):
+        return _select_axes(x, tuple(p - n_batch for p in permutation[n_batch:]), False)
+    if not _fits(x.shape):
+        return densify(
+            jax.lax.transpose_p, [x], {"permutation": permutation}, reason="too large"
+        )
+    return _select_axes(x, permutation, True)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fold_batch(x: Sparse, shape: tuple[int, ...]) -> Sparse:
+    indices, values, _ = _flat(x)
+    return Sparse._build(indices, values, shape)
+
+
+@rule(jax.lax.reshape_p)
+def _reshape(x: Sparse, **params: Any) -> Sparse | Array:
+    if params.get("dimensions") is not None:
+        return densify(
+            jax.lax.reshape_p, [x], params, reason="reshape with `dimensions`"
+        )
+    new_sizes = tuple(int(d) for d in params["new_sizes"])
+    batch = x.indices.shape[:-1]
+    if new_sizes[: len(batch)] == batch:
+        # Flat row-major event indices do not change under a reshape of the events.
+        return Sparse._build(x.indices, x.values, new_sizes[len(batch) :])
+    if not _fits(new_sizes):
+        return densify(jax.lax.reshape_p, [x], params, reason="too large")
+    return _fold_batch(x, new_sizes)
+
+
+@rule(jax.lax.reduce_sum_p)
+def _reduce_sum(x: Sparse, **params: Any) -> Sparse | Array:
+    axes = {int(a) for a in params["axes"]}
+    n_batch = x.indices.ndim - 1
+    if all(a >= n_batch for a in axes):
+        keep = tuple(a - n_batch for a in range(n_batch, x.ndim) if a not in axes)
+        return _select_axes(x, keep, False)
+    if not _fits(x.shape):
+        return densify(jax.lax.reduce_sum_p, [x], params, reason="too large")
+    return _select_axes(x, tuple(a for a in range(x.ndim) if a not in axes), True)
+
+
+# ----------------------------------------------------------------------------------
+# Sparse + dense: dense by design (a scatter-add into the dense operand)
+
+
+@jax.jit
+def _add_into_dense_kernel(s: Sparse, d: Array) -> Array:
+    indices, values, shape = _flat(s)
+    acc = _accumulation_dtype(d.dtype)
+    out = _scatter_add(d.reshape(-1).astype(acc), indices, values.astype(acc))
+    return out.astype(d.dtype).reshape(shape)
+
+
+def _add_into_dense(
+    primitive: jexc.Primitive, s: Sparse, d: ArrayLike, sparse_first: bool
+) -> Array:
+    operands = [s, d] if sparse_first else [d, s]
+    d = jnp.asarray(d)
+    if d.shape != s.shape or d.dtype != s.dtype or not _fits(s.shape):
+        return densify(primitive, operands, {}, reason="broadcast or mixed operands")
+    record_densification(
+        primitive.name,
+        ("Sparse",),
+        reason="the sum of a Sparse and a dense array is dense; it is a scatter-add "
+        "into the dense operand",
+    )
+    return _add_into_dense_kernel(s, d)
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
+    return _add_into_dense(add_any_p, x, y, True)
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
+    return _add_into_dense(add_any_p, y, x, False)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
+    return _add_into_dense(jax.lax.add_p, x, y, True)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
+    return _add_into_dense(jax.lax.add_p, y, x, False)

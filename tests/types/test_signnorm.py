@@ -1,0 +1,344 @@
+"""`SignNorm` and `sign_norm`: layout, validation, storage, norm and sign keeping,
+transforms and the paths that densify."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import quax
+from hypothesis import given, settings, strategies as st
+
+import quax_tangents as qt
+from tests.helpers import assert_close, seeds
+from tests.helpers.quantized import EVENT_SHAPES, batched_compressor, normal_array
+from tests.helpers.signnorm import signnorm_values
+
+
+def _blocks_numpy(x, block_size):
+    """Blocks of the flat `x` (the last one possibly partial), in float64."""
+    flat = np.asarray(x, np.float64).reshape(-1)
+    size = max(flat.size, 1) if block_size is None else block_size
+    return [flat[i : i + size] for i in range(0, flat.size, size)]
+
+
+# --------------------------------------------------------------------------------
+# Construction and validation
+
+
+def test_direct_construction_decodes_by_hand():
+    # 0b00000101: elements 0 and 2 non-negative, element 1 negative.
+    s = qt.SignNorm(
+        jnp.array([[0b00000101]], jnp.uint8),
+        jnp.array([3.0], jnp.float32),
+        event_shape=(3,),
+        dtype=jnp.float32,
+    )
+    assert s.shape == (3,) and s.dtype == jnp.float32
+    np.testing.assert_allclose(s.materialise(), np.array([1, -1, 1]) * 3 / math.sqrt(3))
+
+
+def test_direct_construction_with_partial_last_block():
+    # 10 elements in blocks of 4: the last block has 2 real elements.
+    s = qt.SignNorm(
+        jnp.full((3, 1), 0xFF, jnp.uint8),
+        jnp.array([2.0, 4.0, 1.0], jnp.float32),
+        event_shape=(2, 5),
+        block_size=4,
+        dtype=jnp.bfloat16,
+    )
+    expected = np.array([1.0] * 4 + [2.0] * 4 + [1 / math.sqrt(2)] * 2).reshape(2, 5)
+    assert s.materialise().dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(s.materialise(), np.float32), expected, rtol=1e-2
+    )
+    np.testing.assert_array_equal(s.block_counts(), [4, 4, 2])
+
+
+def _good(**changes):
+    kwargs = dict(
+        bits=jnp.zeros((3, 1), jnp.uint8),
+        norms=jnp.ones((3,), jnp.float32),
+        event_shape=(2, 5),
+        block_size=4,
+        dtype=jnp.float32,
+    )
+    kwargs.update(changes)
+    return kwargs
+
+
+def test_good_arguments_construct():
+    s = qt.SignNorm(**_good())
+    assert s.shape == (2, 5) and s.num_blocks == 3 and s.block_elems == 4
+    whole = qt.SignNorm(
+        **_good(bits=jnp.zeros((1, 2), jnp.uint8), norms=jnp.ones(1), block_size=None)
+    )
+    assert whole.block_size is None and whole.block_elems == 10
+
+
+@pytest.mark.parametrize(
+    "changes, error, field",
+    [
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(block_size=4.0), TypeError, "block_size"),
+        (dict(bits=jnp.zeros((3, 1), jnp.int8)), TypeError, "bits"),
+        (dict(bits=jnp.zeros((2, 1), jnp.uint8)), ValueError, "bits"),
+        (dict(bits=jnp.zeros((3, 2), jnp.uint8)), ValueError, "bits"),
+        (dict(bits=jnp.zeros((3,), jnp.uint8)), ValueError, "bits"),
+        (dict(norms=jnp.ones((3,), jnp.float16)), TypeError, "norms"),
+        (dict(norms=jnp.ones((2,), jnp.float32)), ValueError, "norms"),
+        (dict(norms=jnp.array([1.0, jnp.nan, 1.0])), ValueError, "norms"),
+        (dict(norms=jnp.array([1.0, jnp.inf, 1.0])), ValueError, "norms"),
+        (dict(norms=jnp.array([1.0, -1.0, 1.0])), ValueError, "norms"),
+        (dict(dtype=jnp.int8), TypeError, "dtype"),
+        (dict(event_shape=(-1, 5)), ValueError, "event_shape"),
+    ],
+)
+def test_constructor_validation_names_the_field(changes, error, field):
+    with pytest.raises(error, match=f"`{field}`"):
+        qt.SignNorm(**_good(**changes))
+
+
+def test_value_checks_skip_traced_norms():
+    build = jax.jit(lambda n: qt.SignNorm(**_good(norms=n)).materialise())
+    assert bool(jnp.any(build(jnp.array([1.0, -1.0, 1.0])) != 0))
+    with pytest.raises(ValueError, match="`norms`"):
+        jax.jit(lambda n: qt.SignNorm(**_good(norms=n)))(jnp.ones(4))
+
+
+def test_sign_norm_validates_input():
+    with pytest.raises(TypeError, match="`x`"):
+        qt.sign_norm(jnp.ones((4,), jnp.int32))
+    with pytest.raises(ValueError, match="`x`"):
+        qt.sign_norm(jnp.array([1.0, jnp.nan]))
+    with pytest.raises(ValueError, match="`block_size`"):
+        qt.sign_norm(jnp.ones((4,)), block_size=0)
+    with pytest.raises(TypeError, match="`block_size`"):
+        qt.sign_norm(jnp.ones((4,)), block_size=2.5)
+
+
+# --------------------------------------------------------------------------------
+# Layout and storage
+
+
+def test_layout_and_nbytes_small():
+    x = jnp.arange(10.0) - 4.5
+    blocked = qt.sign_norm(x, block_size=4)
+    assert blocked.bits.shape == (3, 1) and blocked.norms.shape == (3,)
+    assert blocked.nbytes == 3 * 1 + 3 * 4
+    whole = qt.sign_norm(x)
+    assert whole.bits.shape == (1, 2) and whole.norms.shape == (1,)
+    assert whole.nbytes == 2 + 4
+    assert whole.dense_nbytes == 40
+    assert whole.compression_ratio == pytest.approx(40 / 6)
+
+
+def test_compression_ratio_2048_squared():
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    s = jax.eval_shape(qt.sign_norm, x)
+    assert s.dense_nbytes == 2048 * 2048 * 4
+    assert s.compression_ratio >= 30, s.compression_ratio
+
+
+def test_block_size_is_reduced_to_the_array():
+    s = qt.sign_norm(jnp.ones((5,)), block_size=64)
+    assert s.block_size == 5 and s.bits.shape == (1, 1)
+
+
+def test_empty_and_scalar_inputs():
+    empty = qt.sign_norm(jnp.zeros((0, 3)))
+    assert empty.shape == (0, 3) and empty.materialise().shape == (0, 3)
+    scalar = qt.sign_norm(jnp.array(-2.5))
+    np.testing.assert_allclose(scalar.materialise(), -2.5)
+
+
+# --------------------------------------------------------------------------------
+# What sign_norm keeps: per-block l2 norms and signs
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    event_shape=st.sampled_from(EVENT_SHAPES),
+    block_size=st.sampled_from([None, 1, 3, 8]),
+    seed=seeds(),
+    with_zeros=st.booleans(),
+)
+def test_keeps_block_norms_and_signs(event_shape, block_size, seed, with_zeros):
+    x = normal_array(seed, event_shape, jnp.float32)
+    if with_zeros:
+        x[np.abs(x) < 0.5] = 0
+    s = qt.sign_norm(x, block_size)
+    blocks = _blocks_numpy(x, s.block_size)
+    expected_norms = np.array([np.linalg.norm(b) for b in blocks])
+    np.testing.assert_allclose(s.norms, expected_norms, rtol=2e-6, atol=1e-30)
+    dense = np.asarray(s.materialise(), np.float64)
+    # Every element keeps its sign; zero counts as non-negative.
+    np.testing.assert_array_equal(dense >= 0, np.asarray(x) >= 0)
+    # The materialised blocks have exactly the stored norms.
+    got = np.array([np.linalg.norm(b) for b in _blocks_numpy(dense, s.block_size)])
+    np.testing.assert_allclose(got, expected_norms, rtol=2e-6, atol=1e-30)
+    # Within a block every magnitude is the same: norm / sqrt(n_b).
+    for block, norm in zip(_blocks_numpy(dense, s.block_size), got, strict=True):
+        np.testing.assert_allclose(
+            np.abs(block), norm / math.sqrt(block.size), rtol=1e-6
+        )
+
+
+def test_zero_is_positive_and_negation_flips_it():
+    s = qt.sign_norm(jnp.array([0.0, -0.0, -2.0, 1.0]))
+    np.testing.assert_array_equal(np.sign(s.materialise()), [1, 1, -1, 1])
+    negated = quax.quaxify(jnp.negative)(s)
+    np.testing.assert_array_equal(np.sign(negated.materialise()), [-1, -1, 1, -1])
+
+
+def test_all_zero_block_gives_zeros():
+    s = qt.sign_norm(jnp.array([0.0, 0.0, 0.0, 1.0, -2.0]), block_size=3)
+    np.testing.assert_array_equal(s.norms[0], 0.0)
+    dense = s.materialise()
+    assert bool(jnp.all(jnp.isfinite(dense)))
+    np.testing.assert_array_equal(dense[:3], np.zeros(3))
+
+
+def test_large_values_do_not_overflow_the_norm():
+    x = jnp.array([3e30, -4e30], jnp.float32)  # the squares overflow float32
+    s = qt.sign_norm(x)
+    np.testing.assert_allclose(s.norms, [5e30], rtol=1e-6)
+    np.testing.assert_allclose(
+        s.materialise(), np.array([1, -1]) * 5e30 / math.sqrt(2), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_input_keeps_dtype(dtype):
+    x = normal_array(5, (3, 7), dtype)
+    s = qt.sign_norm(x, 8)
+    assert s.dtype == dtype and s.materialise().dtype == dtype
+    assert s.norms.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.linalg.norm(np.asarray(s.materialise(), np.float64)),
+        np.linalg.norm(np.asarray(x, np.float64)),
+        rtol=float(jnp.finfo(dtype).eps),
+    )
+
+
+# --------------------------------------------------------------------------------
+# jit and vmap
+
+
+def test_sign_norm_under_jit_and_vmap():
+    xs = jnp.asarray(normal_array(4, (3, 2, 5), jnp.float32))
+    eager = qt.sign_norm(xs[1], 4)
+    jitted = jax.jit(lambda a: qt.sign_norm(a, 4))(xs[1])
+    assert isinstance(jitted, qt.SignNorm)
+    np.testing.assert_array_equal(jitted.bits, eager.bits)
+    np.testing.assert_allclose(jitted.norms, eager.norms, rtol=1e-6)
+    batched = jax.vmap(lambda a: qt.sign_norm(a, 4))(xs)
+    assert batched.shape == (3, 2, 5) and batched.bits.shape == (3, 3, 1)
+    assert_close(batched.materialise()[1], eager.materialise())
+
+
+def _scaled_view(s, c):
+    return jnp.reshape(c * -s, (-1,))
+
+
+def test_quaxified_rules_under_jit_and_vmap():
+    xs = jnp.asarray(normal_array(11, (3, 4, 5), jnp.float32))
+    ss = batched_compressor(qt.sign_norm, 1, 8)(xs)
+    c = jnp.float32(-0.5)
+    expected = jax.vmap(lambda a: _scaled_view(a, c))(ss.materialise())
+    with qt.fallback("error"):
+        jitted = jax.jit(quax.quaxify(_scaled_view))(qt.sign_norm(xs[0], 8), c)
+        assert isinstance(jitted, qt.SignNorm)
+        assert_close(jitted, expected[0])
+        outer = jax.vmap(quax.quaxify(_scaled_view), in_axes=(0, None))(ss, c)
+        assert isinstance(outer, qt.SignNorm) and outer.shape == (3, 20)
+        assert_close(outer, expected)
+        inner = quax.quaxify(jax.vmap(_scaled_view, in_axes=(0, None)))(ss, c)
+        assert isinstance(inner, qt.SignNorm)
+        assert_close(inner, expected)
+
+
+@pytest.mark.parametrize("scalar", [-2.0, 0.0, 3.0])
+def test_traced_scalar_flips_bits_only_when_negative(scalar):
+    s = qt.sign_norm(jnp.asarray(normal_array(6, (9,), jnp.float32)), 4)
+    out = jax.jit(quax.quaxify(lambda a, c: c * a))(s, jnp.float32(scalar))
+    assert isinstance(out, qt.SignNorm)
+    assert bool(jnp.all(out.norms >= 0))
+    assert_close(out, s.materialise() * scalar)
+    flipped = np.asarray(out.bits) == np.bitwise_not(np.asarray(s.bits))
+    assert bool(np.all(flipped)) == (scalar < 0)
+
+
+def test_jvp_carries_a_signnorm_tangent():
+    x = jnp.asarray(normal_array(1, (4, 6), jnp.float32))
+    tangent = qt.sign_norm(jnp.asarray(normal_array(2, (4, 6), jnp.float32)))
+
+    def f(a):
+        return jnp.reshape(-3.0 * a, (24,))
+
+    with qt.fallback("error"):
+        primal, tangent_out = quax.quaxify(jax.jvp)(f, (x,), (tangent,))
+    assert isinstance(tangent_out, qt.SignNorm)
+    assert_close(primal, f(x))
+    assert_close(tangent_out, f(tangent.materialise()))
+
+
+# --------------------------------------------------------------------------------
+# Paths that densify
+
+
+def _s(shape=(3, 4), seed=0):
+    return qt.sign_norm(jnp.asarray(normal_array(seed, shape, jnp.float32)), 4)
+
+
+DENSIFYING = {
+    "transpose": (lambda a: a.T, "transpose"),
+    "reshape_dimensions": (lambda a: jax.lax.reshape(a, (12,), (1, 0)), "reshape"),
+    "hadamard_column": (lambda a: a * jnp.arange(3.0)[:, None], "mul"),
+    "to_int": (lambda a: a.astype(jnp.int32), "convert_element_type"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSIFYING))
+def test_densify_paths_are_counted_and_exact(name):
+    fn, primitive = DENSIFYING[name]
+    s = _s()
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(fn)(s)
+    assert not isinstance(out, qt.CompressedArray)
+    assert qt.fallback_counts() == {(primitive, "SignNorm"): 1}
+    np.testing.assert_array_equal(out, fn(s.materialise()))
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match=primitive):
+        quax.quaxify(fn)(s)
+
+
+def test_adding_two_signnorms_densifies_exactly():
+    a, b = _s(seed=1), _s(seed=2)
+    qt.reset_fallback_counts()
+    with pytest.warns(qt.DensificationWarning, match="add"):
+        out = quax.quaxify(jnp.add)(a, b)
+    assert not isinstance(out, qt.CompressedArray)
+    assert qt.fallback_counts() == {("add", "SignNorm"): 1}
+    np.testing.assert_array_equal(out, a.materialise() + b.materialise())
+    with qt.fallback("error"), pytest.raises(qt.DensificationError):
+        quax.quaxify(jnp.add)(a, b)
+
+
+def test_adding_signnorm_and_quantized_densifies_both():
+    a, b = _s(seed=1), qt.quantize(jnp.asarray(normal_array(3, (3, 4), jnp.float32)))
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(jnp.add)(a, b)
+    assert qt.fallback_counts() == {("add", "SignNorm"): 1, ("add", "Quantized"): 1}
+    np.testing.assert_array_equal(out, a.materialise() + b.materialise())
+
+
+@settings(max_examples=6, deadline=None)
+@given(values=signnorm_values(), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_float_conversion_keeps_the_type(values, dtype):
+    with qt.fallback("error"):
+        out = quax.quaxify(lambda a: a.astype(dtype))(values)
+    assert isinstance(out, qt.SignNorm) and out.dtype == dtype
+    np.testing.assert_array_equal(out.bits, values.bits)
