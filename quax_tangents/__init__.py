@@ -13,7 +13,7 @@ from ._ad import (
     value_and_grad as value_and_grad,
     vjp as vjp,
 )
-from ._base import CompressedArray as CompressedArray, materialise as materialise
+from ._base import CompressedArray as CompressedArray
 from ._fallback import (
     DensificationError as DensificationError,
     DensificationWarning as DensificationWarning,
@@ -24,6 +24,7 @@ from ._fallback import (
     rank_budget_counts as rank_budget_counts,
     reset_fallback_counts as reset_fallback_counts,
 )
+from ._primitives import compress as compress, materialise as materialise
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.signnorm import SignNorm as SignNorm, sign_norm as sign_norm

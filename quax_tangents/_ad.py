@@ -243,7 +243,7 @@ def jvp(
             at, [leaves[i] for i in active], active_tangents, has_aux=has_aux
         )
 
-    return quax.quaxify(run)(fn, leaves, active_tangents)
+    return _enter_trace(run)(fn, leaves, active_tangents)
 
 
 def partial_jvp(
@@ -312,7 +312,7 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
     `(primal_out, f_jvp)`, where `f_jvp(*tangents)` is the JVP at `primals`.
     """
     fn = as_pytree_callable(fn)
-    out, linear = quax.quaxify(jax.linearize)(fn, *primals)
+    out, linear = _enter_trace(jax.linearize)(fn, *primals)
     return out, _apply_linear(linear, "tangents")
 
 

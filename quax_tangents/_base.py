@@ -75,23 +75,13 @@ def densify(
     return primitive.bind(*arrays, **params)
 
 
-def _materialise_leaf(x: Any) -> Any:
-    return x.materialise() if isinstance(x, quax.Value) else x
-
-
-def materialise(tree: PyTree) -> PyTree:
-    """Dense arrays for every compressed value in a pytree; other leaves unchanged.
-
-    **Arguments:**
-
-    - `tree`: an array, a compressed value, or any pytree of them.
-
-    **Returns:**
-
-    The same pytree with each quax value replaced by its dense array.
-    """
+def materialise_values(tree: PyTree) -> PyTree:
+    """Dense arrays for every concrete quax value in a pytree (see the public
+    `quax_tangents.materialise`, which also reaches values inside a trace)."""
     return jtu.tree_map(
-        _materialise_leaf, tree, is_leaf=lambda x: isinstance(x, quax.Value)
+        lambda x: x.materialise() if isinstance(x, quax.Value) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, quax.Value),
     )
 
 

@@ -16,7 +16,11 @@ import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import ArrayLike
 
-from ._base import materialise
+import jax.tree_util as jtu
+import quax
+from jaxtyping import PyTree
+
+from ._base import materialise_values
 from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
 
@@ -64,7 +68,7 @@ compress_p = jexc.Primitive("compress")
 
 
 def _compress_dense(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
-    return materialise(_map_leading(compressor, batch_ndim)(x))
+    return materialise_values(_map_leading(compressor, batch_ndim)(x))
 
 
 def _compress_abstract(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
@@ -79,6 +83,89 @@ ad.deflinear(compress_p, lambda ct, **params: [compress_p.bind(ct, **params)])
 @rule(compress_p)
 def _compress_rule(x: ArrayLike, *, compressor: Callable, batch_ndim: int) -> Any:
     return _map_leading(compressor, batch_ndim)(x)
+
+
+@rule(compress_p)
+def _recompress_rule(
+    x: quax.ArrayValue, *, compressor: Callable, batch_ndim: int
+) -> Any:
+    # Compressing is defined on the dense value; asked for by name, not a fallback.
+    return _map_leading(compressor, batch_ndim)(x.materialise())
+
+
+def compress(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
+    """`compressor(x)` that also works where a quax value cannot be returned.
+
+    Inside traced code that must produce arrays, such as a `jax.custom_jvp` rule or
+    a loop body, calling a compressor directly fails or stays dense. This binds a
+    primitive instead: under `quax_tangents.jvp`/`grad` (or any quax trace) it
+    becomes `compressor(x)`; elsewhere it computes the same values densely.
+
+    **Arguments:**
+
+    - `x`: an array or a pytree of arrays.
+    - `compressor`: a hashable function from a dense array to a compressed value.
+
+    **Returns:**
+
+    The compressed value(s), or their dense values outside a quax trace.
+    """
+    return jtu.tree_map(
+        lambda leaf: compress_p.bind(leaf, compressor=compressor, batch_ndim=0), x
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# materialise: the identity, which makes a compressed value dense on purpose
+
+materialise_p = jexc.Primitive("materialise")
+_define(
+    materialise_p,
+    lambda x, *, batch_ndim: x,
+    lambda x, *, batch_ndim: jax.core.ShapedArray(x.shape, x.dtype),
+)
+ad.deflinear(materialise_p, lambda ct, **params: [ct])
+
+
+@rule(materialise_p)
+def _materialise_value(x: quax.ArrayValue, *, batch_ndim: int) -> Any:
+    # Asked for by name, so not counted as a fallback.
+    return x.materialise()
+
+
+@rule(materialise_p)
+def _materialise_dense(x: ArrayLike, *, batch_ndim: int) -> Any:
+    return x
+
+
+def _materialise_leaf(x: Any) -> Any:
+    if isinstance(x, quax.Value):
+        return x.materialise()
+    if isinstance(x, jax.core.Tracer):
+        # Possibly a quax tracer holding a compressed value: only a primitive
+        # reaches it.
+        return materialise_p.bind(x, batch_ndim=0)
+    return x
+
+
+def materialise(tree: PyTree) -> PyTree:
+    """Dense arrays for every compressed value in a pytree; other leaves unchanged.
+
+    Works on concrete values and inside traced code (a custom_jvp rule, a jitted or
+    quaxified function), where it is an explicit densification: it is not counted
+    as a fallback.
+
+    **Arguments:**
+
+    - `tree`: an array, a compressed value, or any pytree of them.
+
+    **Returns:**
+
+    The same pytree with each compressed value replaced by its dense array.
+    """
+    return jtu.tree_map(
+        _materialise_leaf, tree, is_leaf=lambda x: isinstance(x, quax.Value)
+    )
 
 
 # ---------------------------------------------------------------------------------------

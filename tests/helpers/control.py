@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._primitives import compress_p, outer_p
+from quax_tangents._primitives import compress_p, materialise_p, outer_p
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
 from tests.helpers.lowrank import lowrank_values
@@ -142,5 +142,39 @@ def _while():
             return jax.lax.while_loop(lambda s: s[0] < steps, body, (0, carry))[1]
 
         return Case(fn, (x,), out_type=qt.LowRank)
+
+    return draw_case()
+
+
+@case("materialise", "ArrayValue")
+def _materialise_value():
+    from tests.helpers.base import compressed_values
+
+    def build(x):
+        fn = lambda a: materialise_p.bind(a, batch_ndim=0)  # noqa: E731
+        return Case(fn, (x,), x.dtype, jax.Array)
+
+    return compressed_values().map(build)
+
+
+@case("materialise", "dense")
+def _materialise_dense():
+    def build(a):
+        fn = lambda x: materialise_p.bind(x, batch_ndim=0)  # noqa: E731
+        return Case(fn, (a,), out_type=jax.Array)
+
+    return _matrix().map(build)
+
+
+@case("compress", "ArrayValue")
+def _recompress():
+    from tests.helpers.base import compressed_values
+
+    @st.composite
+    def draw_case(draw):
+        x = draw(compressed_values())
+        compressor = ft.partial(qt.sign_norm, block_size=None)
+        fn = lambda a: compress_p.bind(a, compressor=compressor, batch_ndim=0)  # noqa: E731
+        return Case(fn, (x,), x.dtype, qt.SignNorm)
 
     return draw_case()
