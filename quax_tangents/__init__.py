@@ -14,6 +14,18 @@ from ._ad import (
     vjp as vjp,
 )
 from ._base import CompressedArray as CompressedArray
+from ._differentiable import (
+    Differentiable as Differentiable,
+    NoDerivative as NoDerivative,
+    Static as Static,
+    apply_tangent_updates as apply_tangent_updates,
+    differentiable as differentiable,
+    differentiable_part as differentiable_part,
+    inner as inner,
+    move as move,
+    norm as norm,
+    zero_tangent as zero_tangent,
+)
 from ._fallback import (
     DensificationError as DensificationError,
     DensificationWarning as DensificationWarning,

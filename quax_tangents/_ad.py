@@ -204,6 +204,48 @@ def _with_active(fn, leaves, treedef, active):
 
 
 # ---------------------------------------------------------------------------------------
+# Structures that differentiate only some of their fields (`@differentiable`)
+
+
+def _has_split(x: Any) -> bool:
+    return hasattr(type(x), "__qt_split__")
+
+
+def _split_structures(tree: PyTree) -> tuple[PyTree, Any]:
+    """Replaces each value whose class defines `__qt_split__` (a `@differentiable`
+    class) by its differentiable part, its `Tangent`-shaped view. Returns the view
+    tree and what `_merge_structures` needs to rebuild the originals."""
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=_has_split)
+    if not any(map(_has_split, leaves)):
+        return tree, None
+    views, rests = [], []
+    for leaf in leaves:
+        if _has_split(leaf):
+            view, rest = type(leaf).__qt_split__(leaf)
+            views.append(view)
+            rests.append((type(leaf), rest))
+        else:
+            views.append(leaf)
+            rests.append(None)
+    return jtu.tree_unflatten(treedef, views), (treedef, rests)
+
+
+def _merge_structures(views: PyTree, split: Any) -> PyTree:
+    if split is None:
+        return views
+    treedef, rests = split
+    merged = [
+        view if rest is None else rest[0].__qt_merge__(view, rest[1])
+        for view, rest in zip(treedef.flatten_up_to(views), rests)
+    ]
+    return jtu.tree_unflatten(treedef, merged)
+
+
+def _call_merged(fn: Callable, split: Any, *views: Any) -> Any:
+    return fn(*_merge_structures(views, split))
+
+
+# ---------------------------------------------------------------------------------------
 # Forward mode
 
 
@@ -235,6 +277,9 @@ def jvp(
     stay compressed wherever the rules of their type allow.
     """
     fn = as_pytree_callable(fn)
+    primals, split = _split_structures(tuple(primals))
+    if split is not None:
+        fn = jtu.Partial(_call_merged, fn, split)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
@@ -384,13 +429,16 @@ def value_and_grad(
                 )
 
         def run(pytree_fn, args):
-            def of_selected(*selected):
+            # A @differentiable argument is differentiated through its Tangent view.
+            selected, split = _split_structures(tuple(args[p] for p in positions))
+
+            def of_selected(*views):
                 full = list(args)
-                for position, value in zip(positions, selected):
+                merged = _merge_structures(views, split)
+                for position, value in zip(positions, merged):
                     full[position] = value
                 return pytree_fn(*full)
 
-            selected = [args[p] for p in positions]
             out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
             _check_scalar_output(out)
             grads = pullback(jnp.ones_like(out))
@@ -449,6 +497,11 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
     `x` comes back as `compressor(cotangent)`, a compressed value. Anywhere else
     (for example plain `jax.grad`) it is the same value, materialised: dense code
     computes the same numbers.
+
+    The dense cotangent is still formed before it is compressed: this saves memory
+    and bytes downstream of `x` (accumulation, optimizer state, communication), not
+    in the backward pass itself. For `x @ w`, `factored_matmul` never forms the
+    dense weight gradient.
 
     **Arguments:**
 

@@ -15,7 +15,7 @@ settings.register_profile(
     "ci",
     max_examples=10,
     deadline=None,
-    derandomize=False,
+    derandomize=True,
     database=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],

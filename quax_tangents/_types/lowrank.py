@@ -122,19 +122,33 @@ def low_rank(
         )
     _validate.check_finite("x", x)
     key = jax.random.key(0) if key is None else key
+    left, right = _range_finder(x, key, rank=rank, iters=iters, oversample=oversample)
+    return LowRank(left, right)
 
+
+def _transposed_product(a: Array, b: Array) -> Array:
+    """`swapaxes(a, -1, -2) @ b` as one contraction over the rows; XLA on CPU runs
+    an explicit transpose followed by a matmul much slower."""
+    return jnp.einsum("...mn,...mk->...nk", a, b)
+
+
+@ft.partial(jax.jit, static_argnames=("rank", "iters", "oversample"))
+def _range_finder(
+    x: Array, key: PRNGKeyArray, *, rank: int, iters: int, oversample: int
+) -> tuple[Array, Array]:
+    m, n = x.shape[-2:]
     work = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     width = min(rank + oversample, m, n)
     sketch = jax.random.normal(key, (n, width), work.dtype)
     basis = _orthonormal(work @ sketch)
     for _ in range(iters):
-        co_basis = _orthonormal(jnp.swapaxes(work, -1, -2) @ basis)
+        co_basis = _orthonormal(_transposed_product(work, basis))
         basis = _orthonormal(work @ co_basis)
-    projected = jnp.swapaxes(basis, -1, -2) @ work
+    projected = jnp.swapaxes(_transposed_product(work, basis), -1, -2)
     u, s, vt = jnp.linalg.svd(projected, full_matrices=False)
     left = (basis @ u[..., :rank]) * s[..., None, :rank]
     right = jnp.swapaxes(vt[..., :rank, :], -1, -2)
-    return LowRank(left.astype(x.dtype), right.astype(x.dtype))
+    return left.astype(x.dtype), right.astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

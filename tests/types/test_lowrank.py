@@ -77,7 +77,8 @@ def test_low_rank_bad_input():
 
 @st.composite
 def _exactly_low_rank(draw):
-    m, n = draw(st.integers(2, 12)), draw(st.integers(2, 12))
+    # A few sizes only: each new shape compiles the compressor again.
+    m, n = draw(st.sampled_from([2, 5, 12])), draw(st.sampled_from([3, 7, 12]))
     true_rank = draw(st.integers(1, min(m, n)))
     rank = draw(st.integers(true_rank, min(m, n)))
     seed = draw(seeds())
@@ -94,8 +95,8 @@ def test_low_rank_is_exact_at_or_above_the_true_rank(case):
 
 
 @given(
-    st.integers(4, 24),
-    st.integers(4, 24),
+    st.sampled_from([4, 9, 24]),
+    st.sampled_from([5, 16, 24]),
     st.sampled_from([0.5, 0.8, 0.95, 1.0]),
     seeds(),
 )

@@ -1,0 +1,22 @@
+"""The README's Python snippet runs, and its commands match CI."""
+
+import pathlib
+import re
+
+
+ROOT = pathlib.Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_python_snippets_run():
+    snippets = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert snippets
+    for snippet in snippets:
+        exec(compile(snippet, "README.md", "exec"), {})
+
+
+def test_readme_test_command_is_what_ci_runs():
+    commands = re.findall(r"```bash\n(.*?)```", README, flags=re.S)[0]
+    test_line = [line for line in commands.splitlines() if "pytest" in line][0]
+    pytest_command = test_line.split("&&")[-1].strip()
+    assert pytest_command in (ROOT / ".ci" / "run").read_text()
