@@ -161,9 +161,10 @@ def _dense_from_factors(primitive: Any, result: Array, reason: str) -> Array:
     return result
 
 
-def _out_dtype(primitive: Any, params: dict, *operands: Any) -> Any:
-    structs = [jax.ShapeDtypeStruct(jnp.shape(o), o.dtype) for o in operands]
-    return jax.eval_shape(ft.partial(primitive.bind, **params), *structs).dtype
+def _dot_dtype(params: dict, x: LowRank, d: Array) -> Any:
+    """The dtype `dot_general` gives, without tracing it again."""
+    preferred = params.get("preferred_element_type")
+    return jnp.promote_types(x.dtype, d.dtype) if preferred is None else preferred
 
 
 def _budget_rank(m: int, n: int) -> int:
@@ -283,6 +284,33 @@ def _concat(primitive: Any, x: LowRank, y: LowRank, sign: int) -> LowRank | Arra
     left = jnp.concatenate([x.left, y.left if sign > 0 else -y.left], axis=-1)
     right = jnp.concatenate([x.right, y.right], axis=-1)
     return within_budget(primitive, left, right)
+
+
+def _plus_dense(primitive: Any, x: LowRank, y: ArrayLike) -> Array:
+    if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
+        return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
+    record_densification(primitive.name, ("LowRank",), "a sum with a dense array")
+    return y + x.materialise()
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_right(x: LowRank, y: ArrayLike) -> Array:
+    return _plus_dense(add_any_p, x, y)
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_left(y: ArrayLike, x: LowRank) -> Array:
+    return _plus_dense(add_any_p, x, y)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_dense_right(x: LowRank, y: ArrayLike) -> Array:
+    return _plus_dense(jax.lax.add_p, x, y)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_dense_left(y: ArrayLike, x: LowRank) -> Array:
+    return _plus_dense(jax.lax.add_p, x, y)
 
 
 @rule(add_any_p)
@@ -422,7 +450,7 @@ def _dot(x: LowRank, d: Array, x_is_lhs: bool, params: dict) -> LowRank | Array:
             params,
             reason="a contraction over batch or both matrix dims",
         )
-    out_dtype = _out_dtype(jax.lax.dot_general_p, params, *operands)
+    out_dtype = _dot_dtype(params, x, d)
     # Contracting n keeps `left`; contracting m keeps `right`.
     contracted, kept = (x.right, x.left) if x_c[0] == nb + 1 else (x.left, x.right)
     # (*batch, r, *d_free): the contracted factor applied to `d`.

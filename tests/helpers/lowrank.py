@@ -229,3 +229,31 @@ def _dot_right():
 @case("dot_general", "dense", "LowRank")
 def _dot_left():
     return _dot_case(False)
+
+
+@st.composite
+def _with_dense(draw, fn, lowrank_first):
+    x = draw(lowrank_values())
+    y = random_array(draw(seeds()), x.shape, x.dtype)
+    args = (x, y) if lowrank_first else (y, x)
+    return Case(fn, args, x.dtype, jax.Array, factor=2.0)
+
+
+@case("add_any", "LowRank", "dense")
+def _add_any_dense_right():
+    return _with_dense(add_any_p.bind, True)
+
+
+@case("add_any", "dense", "LowRank")
+def _add_any_dense_left():
+    return _with_dense(add_any_p.bind, False)
+
+
+@case("add", "LowRank", "dense")
+def _add_dense_right():
+    return _with_dense(jax.lax.add, True)
+
+
+@case("add", "dense", "LowRank")
+def _add_dense_left():
+    return _with_dense(jax.lax.add, False)
