@@ -13,12 +13,10 @@ from typing import Any
 import jax
 import jax.extend.core as jexc
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir
-from jaxtyping import ArrayLike
-
 import jax.tree_util as jtu
 import quax
-from jaxtyping import PyTree
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import ArrayLike, PyTree
 
 from ._base import materialise_values
 from ._registry import rule

@@ -1,0 +1,74 @@
+"""Developer tasks: `nox -s tests`, `nox -s lint`, `nox -s docs`, `nox -s bench`."""
+
+import pathlib
+import shutil
+
+import nox
+from packaging.requirements import Requirement
+
+
+ROOT = pathlib.Path(__file__).parent
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+
+nox.options.default_venv_backend = "uv" if shutil.which("uv") else "venv"
+nox.options.sessions = ["tests", "lint"]
+
+
+def _ruff_requirement() -> str:
+    """The ruff requirement of the `dev` extra, so lint uses the same ruff as dev."""
+    project = nox.project.load_toml(ROOT / "pyproject.toml")["project"]
+    dev = project["optional-dependencies"]["dev"]
+    return next(req for req in dev if Requirement(req).name == "ruff")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Runs the test suite; extra arguments replace the default `-q -n 2`."""
+    session.install(".[dev,optax,examples]")
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q", "-n", "2"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Checks lint rules and formatting with ruff."""
+    session.install(_ruff_requirement())
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Builds the documentation into site/, failing on any warning."""
+    session.install(".[docs]")
+    # Quiets mkdocs-material's banner about MkDocs 2.0; it is not a build warning.
+    session.env["NO_MKDOCS_2_WARNING"] = "1"
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Runs every `benchmarks/*.py` script; each writes `benchmarks/results/<name>.md`.
+
+    Arguments name the scripts to run (default: all); arguments starting with `-` go
+    to every script, e.g. `nox -s bench -- jvp --quick`. The session fails if a script
+    did not write its results file. Files starting with `_` are helpers, not scripts.
+    """
+    session.install(".[optax,examples]")
+    names = {pathlib.Path(a).stem for a in session.posargs if not a.startswith("-")}
+    flags = [a for a in session.posargs if a.startswith("-")]
+    scripts = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+    unknown = names - {p.stem for p in scripts}
+    if unknown:
+        session.error(f"No such benchmark: {', '.join(sorted(unknown))}")
+    scripts = [p for p in scripts if not names or p.stem in names]
+    if not scripts:
+        session.error("No benchmark scripts in benchmarks/.")
+    RESULTS.mkdir(exist_ok=True)
+    for script in scripts:
+        result = RESULTS / f"{script.stem}.md"
+        before = result.stat().st_mtime_ns if result.exists() else None
+        session.run("python", str(script.relative_to(ROOT)), *flags)
+        written = result.exists() and result.stat().st_mtime_ns != before
+        if not written and not any(f.startswith("--out") for f in flags):
+            session.error(f"{script.name} did not write {result.relative_to(ROOT)}")
