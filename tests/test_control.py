@@ -207,3 +207,47 @@ def test_dense_carry_becoming_compressed_is_an_error():
         quax.quaxify(loop, filter_spec=lambda _: True)(jnp.ones((10, 12)))
     # Outside quax the same loop is dense code with the same numbers.
     assert loop(jnp.ones((10, 12))).shape == (10, 12)
+
+
+def test_jvp_through_a_cond_branch_that_ignores_the_tangent():
+    """One branch does not touch the input, so JAX gives it a zero tangent; plain
+    quax fails with "all branches output must have the same pytree". Here the join
+    densifies that branch's tangent (counted) and the result is exact."""
+    x = random_array(7, (4, 10))
+    w = random_array(8, (10, 12))
+
+    def f(w, p):
+        return jax.lax.cond(p, lambda w: x @ w, lambda w: jnp.ones((4, 12)), w)
+
+    tangent = qt.low_rank(random_array(9, (10, 12)), 1)
+    for p in (True, False):
+        qt.reset_fallback_counts()
+        with qt.fallback("silent"):
+            _, out = qt.jvp(f, (w, p), (tangent, None))
+        expected = jax.jvp(lambda w: f(w, p), (w,), (tangent.materialise(),))[1]
+        assert_close(qt.materialise(out), expected, scale=10.0)
+        assert ("cond", "LowRank") in qt.fallback_counts()
+
+
+def test_scan_transpose_accumulates_a_shared_weight_cotangent_densely():
+    """JAX's scan transpose starts the cotangent carry of a weight used in every
+    step as dense zeros, so per-step compressed cotangents are summed into a dense
+    array: the result is exact and dense, and the densification is counted."""
+    xs = random_array(10, (3, 4, 10))
+    w = random_array(11, (10, 12))
+    compressor = functools.partial(qt.low_rank, rank=2)
+
+    def loss(w):
+        def body(total, x):
+            return total + jnp.sum(
+                jnp.tanh(x @ qt.compress_cotangent(w, compressor))
+            ), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(w)
+    assert isinstance(grad, jax.Array)
+    assert qt.fallback_counts()
+    assert_close(grad, jax.grad(loss)(w), scale=float(jnp.abs(grad).max()))
