@@ -4,7 +4,7 @@
 # ruff: noqa: F722
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -13,9 +13,9 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, UInt8
 
 from .. import _validate
-from .._base import CompressedArray, densify
 from .._registry import rule
 from . import _blocked
+from ._blocked import BlockedArray
 
 
 _QMAX = {8: 127, 4: 7}
@@ -38,7 +38,7 @@ def _check_block_size(block_size: Any, bits: int) -> int:
     return block_size
 
 
-class Quantized(CompressedArray):
+class Quantized(BlockedArray):
     """An array stored as block-wise symmetric integer codes with one float32 scale per
     block.
 
@@ -60,6 +60,9 @@ class Quantized(CompressedArray):
 
     Create one with [`quax_tangents.quantize`][].
     """
+
+    _payload_field: ClassVar[str] = "codes"
+    _stat_field: ClassVar[str] = "scales"
 
     codes: Array
     scales: Array
@@ -90,32 +93,23 @@ class Quantized(CompressedArray):
         """
         self.codes = jnp.asarray(codes)
         self.scales = jnp.asarray(scales)
-        self.event_shape = (
-            tuple(event_shape) if isinstance(event_shape, list) else event_shape
-        )
         self.bits = bits
         self.block_size = block_size
-        try:
-            self.value_dtype = jnp.dtype(dtype)
-        except TypeError:
-            self.value_dtype = dtype
+        self.event_shape, self.value_dtype = _blocked.static_fields(event_shape, dtype)
 
     def __check_init__(self):
         self._check_structure()
         _validate.check_finite("scales", self.scales)
 
-    def _check_structure(self) -> None:
-        bits = _check_bits("bits", self.bits)
-        _check_block_size(self.block_size, bits)
-        event_shape = _blocked.check_event_shape("event_shape", self.event_shape)
-        if not isinstance(self.event_shape, tuple):
-            raise TypeError(f"`event_shape` must be a tuple, got {self.event_shape!r}.")
-        _blocked.check_value_dtype("dtype", self.value_dtype)
+    def _check_settings(self) -> None:
+        _check_block_size(self.block_size, _check_bits("bits", self.bits))
+
+    def _check_payload(self, event_shape: tuple[int, ...]) -> None:
+        bits = int(self.bits)
         width = self.block_size if bits == 8 else self.block_size // 2
         expected = _blocked.num_blocks(
             _blocked.event_size(event_shape), self.block_size
         )
-        _validate.check_ndim("codes", self.codes, 2)
         code_dtype = jnp.result_type(self.codes)
         if code_dtype != _CODE_DTYPE[bits]:
             raise TypeError(
@@ -130,25 +124,11 @@ class Quantized(CompressedArray):
             f"num_blocks=ceil({_blocked.event_size(event_shape)}/{self.block_size}) "
             f"blocks of {width} {'bytes' if bits == 4 else 'codes'}",
         )
-        _validate.check_dtype("scales", self.scales, jnp.float32)
-        _blocked.check_shape(
-            "scales", self.scales.shape, shape[:-1], "one scale per block of `codes`"
-        )
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per batch element."""
-        return self.codes.shape[-2]
 
     @property
     def qmax(self) -> int:
         """The largest code magnitude: 127 for 8 bits, 7 for 4 bits."""
         return _QMAX[self.bits]
-
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(
-            (*self.codes.shape[:-2], *self.event_shape), self.value_dtype
-        )
 
     def integer_codes(self) -> Int[Array, "*batch blocks block_size"]:
         """The codes as int32, one per element (4-bit codes unpacked)."""
@@ -159,8 +139,8 @@ class Quantized(CompressedArray):
             self.codes, self.scales, self.event_shape, self.bits, self.value_dtype
         )
 
-    def _replace(self, **changes: Any) -> "Quantized":
-        return _blocked.unchecked(type(self), **{**_blocked.fields_of(self), **changes})
+    def _scaled(self, scalar: Array, dtype: Any) -> "Quantized":
+        return self._replace(scales=self.scales * scalar, value_dtype=dtype)
 
 
 def _pack_nibbles(codes: Int[Array, "*b n"]) -> UInt8[Array, "*b n//2"]:
@@ -269,8 +249,9 @@ def quantize(
 
 
 # ---------------------------------------------------------------------------------
-# Rules. Each keeps the type where the result is exactly representable and otherwise
-# densifies through `densify` (counted, subject to the fallback mode).
+# Rules of `Quantized` alone; `transpose`, `reshape`, `convert_element_type` and `copy`
+# are registered once for every `BlockedArray` in `_blocked`. A product with a
+# non-scalar densifies through `densify` (counted, subject to the fallback mode).
 
 
 @rule(lax.neg_p)
@@ -278,96 +259,11 @@ def _neg(x: Quantized) -> Quantized:
     return x._replace(scales=-x.scales)
 
 
-def _scale(x: Quantized, other: ArrayLike, values, params) -> Quantized | Array:
-    scalar = _blocked.scalar_operand(x.shape, other)
-    out_dtype = params.get("out_dtype")
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    if scalar is None:
-        return densify(lax.mul_p, values, params, reason="product with a non-scalar")
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        return densify(lax.mul_p, values, params, reason="non-floating `out_dtype`")
-    return x._replace(
-        scales=x.scales * scalar.astype(jnp.float32), value_dtype=jnp.dtype(out_dtype)
-    )
-
-
 @rule(lax.mul_p)
 def _mul_scalar_right(x: Quantized, y: ArrayLike, **params: Any) -> Quantized | Array:
-    return _scale(x, y, (x, y), params)
+    return x._mul_scalar(y, (x, y), params)
 
 
 @rule(lax.mul_p)
 def _mul_scalar_left(x: ArrayLike, y: Quantized, **params: Any) -> Quantized | Array:
-    return _scale(y, x, (x, y), params)
-
-
-@rule(lax.convert_element_type_p)
-def _convert_element_type(x: Quantized, **params: Any) -> Quantized | Array:
-    new_dtype = jnp.dtype(params["new_dtype"])
-    if not jnp.issubdtype(new_dtype, jnp.floating):
-        return densify(
-            lax.convert_element_type_p,
-            (x,),
-            params,
-            reason=f"conversion to {new_dtype}",
-        )
-    if params.get("sharding") is not None:
-        return densify(
-            lax.convert_element_type_p, (x,), params, reason="explicit output sharding"
-        )
-    return x._replace(value_dtype=new_dtype)
-
-
-@rule(lax.copy_p)
-def _copy(x: Quantized) -> Quantized:
-    return x._replace(codes=jnp.copy(x.codes), scales=jnp.copy(x.scales))
-
-
-def _permute_batch(x: Quantized, batch_perm: tuple[int, ...]) -> Quantized:
-    n_batch = len(batch_perm)
-    if batch_perm == tuple(range(n_batch)):
-        return x
-    return x._replace(
-        codes=jnp.transpose(x.codes, (*batch_perm, n_batch, n_batch + 1)),
-        scales=jnp.transpose(x.scales, (*batch_perm, n_batch)),
-    )
-
-
-@rule(lax.transpose_p)
-def _transpose(x: Quantized, **params: Any) -> Quantized | Array:
-    permutation = params["permutation"]
-    n_batch = x.codes.ndim - 2
-    layout = _blocked.transpose_event(x.shape, n_batch, permutation)
-    if layout is None:
-        return densify(
-            lax.transpose_p,
-            (x,),
-            params,
-            reason="the permutation reorders the flat event elements",
-        )
-    batch_perm, event_shape = layout
-    return _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
-
-
-@rule(lax.reshape_p)
-def _reshape(x: Quantized, **params: Any) -> Quantized | Array:
-    n_batch = x.codes.ndim - 2
-    shape, out = x.shape, x
-    dimensions = params.get("dimensions")
-    if params.get("sharding") is not None:
-        return densify(lax.reshape_p, (x,), params, reason="explicit output sharding")
-    if dimensions is not None:
-        layout = _blocked.transpose_event(shape, n_batch, dimensions)
-        if layout is None:
-            return densify(
-                lax.reshape_p, (x,), params, reason="`dimensions` reorders the elements"
-            )
-        batch_perm, event_shape = layout
-        out = _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
-        shape = out.shape
-    event_shape = _blocked.reshape_event(shape, n_batch, params["new_sizes"])
-    if event_shape is None:
-        return densify(
-            lax.reshape_p, (x,), params, reason="the reshape moves batch dims"
-        )
-    return out._replace(event_shape=event_shape)
+    return y._mul_scalar(x, (x, y), params)

@@ -4,7 +4,7 @@
 # ruff: noqa: F722
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -14,9 +14,9 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from .. import _validate
-from .._base import CompressedArray, densify
 from .._registry import rule
 from . import _blocked
+from ._blocked import BlockedArray
 
 
 def _check_block_size(block_size: Any) -> int | None:
@@ -27,7 +27,7 @@ def _check_block_size(block_size: Any) -> int | None:
     )
 
 
-class SignNorm(CompressedArray):
+class SignNorm(BlockedArray):
     """An array stored as one sign bit per element and one l2 norm per block: the
     lossy "sign + norm" compression (signSGD with norm scaling).
 
@@ -49,6 +49,9 @@ class SignNorm(CompressedArray):
 
     Create one with [`quax_tangents.sign_norm`][].
     """
+
+    _payload_field: ClassVar[str] = "bits"
+    _stat_field: ClassVar[str] = "norms"
 
     bits: Array
     norms: Array
@@ -75,14 +78,8 @@ class SignNorm(CompressedArray):
         """
         self.bits = jnp.asarray(bits)
         self.norms = jnp.asarray(norms)
-        self.event_shape = (
-            tuple(event_shape) if isinstance(event_shape, list) else event_shape
-        )
         self.block_size = block_size
-        try:
-            self.value_dtype = jnp.dtype(dtype)
-        except TypeError:
-            self.value_dtype = dtype
+        self.event_shape, self.value_dtype = _blocked.static_fields(event_shape, dtype)
 
     def __check_init__(self):
         self._check_structure()
@@ -95,13 +92,10 @@ class SignNorm(CompressedArray):
                 "`bits` instead."
             )
 
-    def _check_structure(self) -> None:
+    def _check_settings(self) -> None:
         _check_block_size(self.block_size)
-        event_shape = _blocked.check_event_shape("event_shape", self.event_shape)
-        if not isinstance(self.event_shape, tuple):
-            raise TypeError(f"`event_shape` must be a tuple, got {self.event_shape!r}.")
-        _blocked.check_value_dtype("dtype", self.value_dtype)
-        _validate.check_ndim("bits", self.bits, 2)
+
+    def _check_payload(self, event_shape: tuple[int, ...]) -> None:
         _validate.check_dtype("bits", self.bits, jnp.uint8)
         size = _blocked.event_size(event_shape)
         elems = self.block_elems
@@ -112,29 +106,15 @@ class SignNorm(CompressedArray):
             (*shape[:-2], _blocked.num_blocks(size, elems), -(-elems // 8)),
             f"ceil({size}/{elems}) blocks of ceil({elems}/8) bytes",
         )
-        _validate.check_dtype("norms", self.norms, jnp.float32)
-        _blocked.check_shape(
-            "norms", self.norms.shape, shape[:-1], "one norm per block of `bits`"
-        )
 
     @property
     def block_elems(self) -> int:
         """Elements per (full) block: `block_size`, or the event size for None."""
         return _elems(self.event_shape, self.block_size)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per batch element."""
-        return self.bits.shape[-2]
-
     def block_counts(self) -> np.ndarray:
         """The number of real elements of each block, `n_b` (static)."""
         return _block_counts(self.event_shape, self.block_elems)
-
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(
-            (*self.bits.shape[:-2], *self.event_shape), self.value_dtype
-        )
 
     def signs(self) -> Float[Array, "*batch blocks block_elems"]:
         """`+1.0` / `-1.0` per element as float32, in blocks (padding dropped within a
@@ -146,8 +126,12 @@ class SignNorm(CompressedArray):
             self.bits, self.norms, self.event_shape, self.block_size, self.value_dtype
         )
 
-    def _replace(self, **changes: Any) -> "SignNorm":
-        return _blocked.unchecked(type(self), **{**_blocked.fields_of(self), **changes})
+    def _scaled(self, scalar: Array, dtype: Any) -> "SignNorm":
+        # The scalar may be traced: choose the bit pattern with `where`, not `if`.
+        bits = jnp.where(scalar < 0, jnp.bitwise_not(self.bits), self.bits)
+        return self._replace(
+            bits=bits, norms=self.norms * jnp.abs(scalar), value_dtype=dtype
+        )
 
 
 def _signs(bits: Array, block_elems: int) -> Array:
@@ -229,8 +213,9 @@ def sign_norm(x: Float[ArrayLike, "*shape"], block_size: int | None = None) -> S
 
 
 # ---------------------------------------------------------------------------------
-# Rules. Each keeps the type where the result is exactly representable and otherwise
-# densifies through `densify` (counted, subject to the fallback mode).
+# Rules of `SignNorm` alone; `transpose`, `reshape`, `convert_element_type` and `copy`
+# are registered once for every `BlockedArray` in `_blocked`. A product with a
+# non-scalar densifies through `densify` (counted, subject to the fallback mode).
 
 
 @rule(lax.neg_p)
@@ -238,99 +223,11 @@ def _neg(x: SignNorm) -> SignNorm:
     return x._replace(bits=jnp.bitwise_not(x.bits))
 
 
-def _scale(x: SignNorm, other: ArrayLike, values, params) -> SignNorm | Array:
-    scalar = _blocked.scalar_operand(x.shape, other)
-    out_dtype = params.get("out_dtype")
-    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    if scalar is None:
-        return densify(lax.mul_p, values, params, reason="product with a non-scalar")
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        return densify(lax.mul_p, values, params, reason="non-floating `out_dtype`")
-    scalar = scalar.astype(jnp.float32)
-    # The scalar may be traced: choose the bit pattern with `where`, not `if`.
-    bits = jnp.where(scalar < 0, jnp.bitwise_not(x.bits), x.bits)
-    return x._replace(
-        bits=bits, norms=x.norms * jnp.abs(scalar), value_dtype=jnp.dtype(out_dtype)
-    )
-
-
 @rule(lax.mul_p)
 def _mul_scalar_right(x: SignNorm, y: ArrayLike, **params: Any) -> SignNorm | Array:
-    return _scale(x, y, (x, y), params)
+    return x._mul_scalar(y, (x, y), params)
 
 
 @rule(lax.mul_p)
 def _mul_scalar_left(x: ArrayLike, y: SignNorm, **params: Any) -> SignNorm | Array:
-    return _scale(y, x, (x, y), params)
-
-
-@rule(lax.convert_element_type_p)
-def _convert_element_type(x: SignNorm, **params: Any) -> SignNorm | Array:
-    new_dtype = jnp.dtype(params["new_dtype"])
-    if not jnp.issubdtype(new_dtype, jnp.floating):
-        return densify(
-            lax.convert_element_type_p,
-            (x,),
-            params,
-            reason=f"conversion to {new_dtype}",
-        )
-    if params.get("sharding") is not None:
-        return densify(
-            lax.convert_element_type_p, (x,), params, reason="explicit output sharding"
-        )
-    return x._replace(value_dtype=new_dtype)
-
-
-@rule(lax.copy_p)
-def _copy(x: SignNorm) -> SignNorm:
-    return x._replace(bits=jnp.copy(x.bits), norms=jnp.copy(x.norms))
-
-
-def _permute_batch(x: SignNorm, batch_perm: tuple[int, ...]) -> SignNorm:
-    n_batch = len(batch_perm)
-    if batch_perm == tuple(range(n_batch)):
-        return x
-    return x._replace(
-        bits=jnp.transpose(x.bits, (*batch_perm, n_batch, n_batch + 1)),
-        norms=jnp.transpose(x.norms, (*batch_perm, n_batch)),
-    )
-
-
-@rule(lax.transpose_p)
-def _transpose(x: SignNorm, **params: Any) -> SignNorm | Array:
-    permutation = params["permutation"]
-    n_batch = x.bits.ndim - 2
-    layout = _blocked.transpose_event(x.shape, n_batch, permutation)
-    if layout is None:
-        return densify(
-            lax.transpose_p,
-            (x,),
-            params,
-            reason="the permutation reorders the flat event elements",
-        )
-    batch_perm, event_shape = layout
-    return _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
-
-
-@rule(lax.reshape_p)
-def _reshape(x: SignNorm, **params: Any) -> SignNorm | Array:
-    n_batch = x.bits.ndim - 2
-    shape, out = x.shape, x
-    dimensions = params.get("dimensions")
-    if params.get("sharding") is not None:
-        return densify(lax.reshape_p, (x,), params, reason="explicit output sharding")
-    if dimensions is not None:
-        layout = _blocked.transpose_event(shape, n_batch, dimensions)
-        if layout is None:
-            return densify(
-                lax.reshape_p, (x,), params, reason="`dimensions` reorders the elements"
-            )
-        batch_perm, event_shape = layout
-        out = _permute_batch(x, batch_perm)._replace(event_shape=event_shape)
-        shape = out.shape
-    event_shape = _blocked.reshape_event(shape, n_batch, params["new_sizes"])
-    if event_shape is None:
-        return densify(
-            lax.reshape_p, (x,), params, reason="the reshape moves batch dims"
-        )
-    return out._replace(event_shape=event_shape)
+    return y._mul_scalar(x, (x, y), params)
