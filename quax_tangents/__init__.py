@@ -14,6 +14,15 @@ from ._ad import (
     vjp as vjp,
 )
 from ._base import CompressedArray as CompressedArray
+from ._collective import (
+    Collective as Collective,
+    GatherSum as GatherSum,
+    MajorityVote as MajorityVote,
+    PowerSum as PowerSum,
+    all_reduce as all_reduce,
+    collectives as collectives,
+    device_varying as device_varying,
+)
 from ._differentiable import (
     Differentiable as Differentiable,
     NoDerivative as NoDerivative,
@@ -35,6 +44,10 @@ from ._fallback import (
     rank_budget as rank_budget,
     rank_budget_counts as rank_budget_counts,
     reset_fallback_counts as reset_fallback_counts,
+)
+from ._forward import (
+    ForwardGradInfo as ForwardGradInfo,
+    forward_grad as forward_grad,
 )
 from ._primitives import compress as compress, materialise as materialise
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank

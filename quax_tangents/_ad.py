@@ -245,6 +245,15 @@ def _call_merged(fn: Callable, split: Any, *views: Any) -> Any:
     return fn(*_merge_structures(views, split))
 
 
+def _through_views(fn: Callable, primals: Sequence[Any]) -> tuple[Callable, tuple]:
+    """`fn` and `primals` rewritten so that `@differentiable` arguments are
+    differentiated through their Tangent views."""
+    views, split = _split_structures(tuple(primals))
+    if split is None:
+        return fn, views
+    return jtu.Partial(_call_merged, fn, split), views
+
+
 # ---------------------------------------------------------------------------------------
 # Forward mode
 
@@ -276,10 +285,7 @@ def jvp(
     `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`. Output tangents
     stay compressed wherever the rules of their type allow.
     """
-    fn = as_pytree_callable(fn)
-    primals, split = _split_structures(tuple(primals))
-    if split is not None:
-        fn = jtu.Partial(_call_merged, fn, split)
+    fn, primals = _through_views(as_pytree_callable(fn), primals)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
@@ -356,7 +362,7 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
 
     `(primal_out, f_jvp)`, where `f_jvp(*tangents)` is the JVP at `primals`.
     """
-    fn = as_pytree_callable(fn)
+    fn, primals = _through_views(as_pytree_callable(fn), primals)
     out, linear = _enter_trace(jax.linearize)(fn, *primals)
     return out, _apply_linear(linear, "tangents")
 
@@ -387,7 +393,7 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
 
     `(primal_out, pullback)` or `(primal_out, pullback, aux)`.
     """
-    fn = as_pytree_callable(fn)
+    fn, primals = _through_views(as_pytree_callable(fn), primals)
     result = _enter_trace(ft.partial(jax.vjp, has_aux=has_aux))(fn, *primals)
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])

@@ -197,8 +197,6 @@ def _is_never_array(annotation: Any) -> bool:
     be a JAX array: `str`, `bool`, `None`, callables, enums, literals and tuples or
     unions of those."""
     annotation = _strip_annotated(annotation)
-    if annotation is None or annotation is Literal:
-        return True
     origin = typing.get_origin(annotation)
     if origin is Literal:
         return True
@@ -289,7 +287,8 @@ def _declared_fields(cls: type) -> list[tuple[str, Any, bool]]:
     return [
         (name, hints[name], False)
         for name in names
-        if name in hints and typing.get_origin(hints[name]) is not ClassVar
+        if name in hints
+        and typing.get_origin(hints[name]) is not ClassVar
         and hints[name] is not ClassVar
     ]
 
@@ -407,6 +406,9 @@ def _replace(model: Any, changes: dict[str, Any]) -> Any:
     new = object.__new__(type(model))
     if hasattr(model, "__dict__"):
         new.__dict__.update(model.__dict__)
+    else:  # `__slots__`
+        for name, _ in _spec_of_instance(model).fields:
+            object.__setattr__(new, name, getattr(model, name))
     for name, value in changes.items():
         object.__setattr__(new, name, value)
     return new
@@ -560,7 +562,7 @@ def _split_generated(model: Any) -> tuple[Any, Any]:
         value = getattr(model, name)
         _check_differentiable_value(spec.cls, name, value)
         views[name], rests[name] = _split_value(value)
-    return spec.tangent._from_fields(views), _replace(model, rests)
+    return _tangent_from_fields(spec.tangent, views), _replace(model, rests)
 
 
 def _merge_generated(cls: type, view: Any, rest: Any) -> Any:
@@ -606,23 +608,50 @@ def _is_tangent_leaf(x: Any) -> bool:
     return isinstance(x, quax.Value) or _is_custom_tangent(x)
 
 
-def _leafwise(op: Callable, *trees: Any) -> Any:
-    """`op` on matching leaves. Compressed values dispatch through quax's rules (and
-    the fallback policy); user-declared Tangents use their own operators."""
+def _custom_op(x: Any, name: str, *args: Any) -> Any:
+    """`x.<name>(*args)` for a user-declared Tangent, refusing the sequence
+    operations a NamedTuple inherits (`+` concatenates, `*` repeats)."""
+    method = getattr(type(x), name, None)
+    if method is None or method in (getattr(tuple, name, None), getattr(list, name, 0)):
+        raise TypeError(
+            f"`{type(x).__qualname__}` (a user-declared Tangent) does not define "
+            f"`{name}`, which this operation on a tangent holding it needs."
+        )
+    return method(x, *args)
 
-    def apply(*leaves: Any) -> Any:
-        if _is_custom_tangent(leaves[0]):
-            return op(*leaves)
-        return quax.quaxify(op)(*leaves)
+
+def _leafwise(op: Callable, name: str, *trees: Any, args: tuple = ()) -> Any:
+    """`op(leaf, *other_leaves, *args)` on matching leaves; a user-declared Tangent
+    uses its own method `name` instead."""
+
+    def apply(x: Any, *others: Any) -> Any:
+        if _is_custom_tangent(x):
+            return _custom_op(x, name, *others, *args)
+        return op(x, *others, *args)
 
     return jtu.tree_map(apply, *trees, is_leaf=_is_tangent_leaf)
+
+
+# Compressed values dispatch through quax's rules (and the fallback policy).
+_add = quax.quaxify(operator.add)
+_sub = quax.quaxify(operator.sub)
+_neg = quax.quaxify(operator.neg)
+_mul = quax.quaxify(operator.mul)
 
 
 def _divide(x: Any, scalar: Any) -> Any:
     # Compressed types have rules for scaling, not for division.
     if isinstance(x, quax.Value):
-        return quax.quaxify(operator.mul)(x, 1 / scalar)
+        return _mul(x, 1 / scalar)
     return x / scalar
+
+
+def _check_same_class(a: Any, b: Any, op: str) -> None:
+    if type(b) is not type(a):
+        raise TypeError(
+            f"`{type(a).__name__} {op} x` needs `x` to be a `{type(a).__name__}` too, "
+            f"got {type(b).__name__}."
+        )
 
 
 class _Verbatim:
@@ -644,43 +673,37 @@ def _pformat(value: Any) -> str:
 
 class _GeneratedTangent(eqx.Module):
     """Base of every generated `Model.Tangent`: a vector space over the differentiable
-    fields, elementwise on their leaves. Fields may hold compressed values."""
+    fields, elementwise on their leaves. Fields may hold compressed values.
 
-    _model: ClassVar[type]
-
-    def _same_class(self, other: Any, op: str) -> None:
-        if type(other) is not type(self):
-            raise TypeError(
-                f"`{type(self).__name__} {op} x` needs `x` to be a "
-                f"`{type(self).__name__}` too, got {type(other).__name__}."
-            )
+    Only dunder methods live here, so that no field name can clash with a method.
+    """
 
     def __add__(self, other: Any) -> Any:
-        self._same_class(other, "+")
-        return _leafwise(operator.add, self, other)
+        _check_same_class(self, other, "+")
+        return _leafwise(_add, "__add__", self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        # `sum(tangents)` starts from the integer 0.
+        if isinstance(other, int) and other == 0:
+            return self
+        return self.__add__(other)
 
     def __sub__(self, other: Any) -> Any:
-        self._same_class(other, "-")
-        return _leafwise(operator.sub, self, other)
+        _check_same_class(self, other, "-")
+        return _leafwise(_sub, "__sub__", self, other)
 
     def __neg__(self) -> Any:
-        return _leafwise(operator.neg, self)
+        return _leafwise(_neg, "__neg__", self)
 
     def __mul__(self, scalar: Any) -> Any:
         _check_scalar(self, scalar, "*")
-        return _leafwise(lambda x: operator.mul(x, scalar), self)
+        return _leafwise(_mul, "__mul__", self, args=(scalar,))
 
-    def __rmul__(self, scalar: Any) -> Any:
-        _check_scalar(self, scalar, "*")
-        return _leafwise(lambda x: operator.mul(scalar, x), self)
+    __rmul__ = __mul__
 
     def __truediv__(self, scalar: Any) -> Any:
         _check_scalar(self, scalar, "/")
-        return jtu.tree_map(
-            lambda x: x / scalar if _is_custom_tangent(x) else _divide(x, scalar),
-            self,
-            is_leaf=_is_tangent_leaf,
-        )
+        return _leafwise(_divide, "__truediv__", self, args=(scalar,))
 
     def __repr__(self) -> str:
         # Values in full, as a gradient is read; nested Tangents by their own repr.
@@ -690,12 +713,13 @@ class _GeneratedTangent(eqx.Module):
         )
         return f"{type(self).__name__}({body})"
 
-    @classmethod
-    def _from_fields(cls, values: dict[str, Any]) -> Any:
-        tangent = object.__new__(cls)
-        for name, value in values.items():
-            object.__setattr__(tangent, name, value)
-        return tangent
+
+def _tangent_from_fields(cls: type, values: dict[str, Any]) -> Any:
+    """An instance of a generated Tangent class, built as unflatten builds one."""
+    tangent = object.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(tangent, name, value)
+    return tangent
 
 
 def _tangent_init(cls_name: str, model: type, names: tuple[str, ...]) -> Callable:
@@ -736,9 +760,7 @@ def _make_tangent_class(cls: type, names: tuple[str, ...]) -> type:
             "and `/` by scalars; see `quax_tangents.inner` and `quax_tangents.norm`."
         ),
     }
-    tangent = type(name, (_GeneratedTangent,), namespace)
-    tangent._model = cls
-    return tangent
+    return type(name, (_GeneratedTangent,), namespace)
 
 
 def _check_tangent_class(spec: _Spec, tangent: Any, where: str) -> None:
@@ -759,7 +781,9 @@ def _check_custom_protocol(cls: type, tangent: type) -> None:
         raise TypeError(f"`tangent` must be a class, got {tangent!r}.")
     problems = []
     if not callable(getattr(cls, "move", None)):
-        problems.append(f"`{cls.__qualname__}.move(self, tangent)` returning a new model")
+        problems.append(
+            f"`{cls.__qualname__}.move(self, tangent)` returning a new model"
+        )
     if not callable(getattr(tangent, "zero", None)):
         problems.append(
             f"`{tangent.__qualname__}.zero(model)` (a classmethod or staticmethod) "
@@ -889,6 +913,11 @@ def differentiable(cls: Any = None, /, *, tangent: type | None = None) -> Any:
     unmarked field is always data. Instance attributes that are not annotated in the
     class body are an error, since a pytree round trip would lose them.
 
+    Construction checks the fields: differentiable ones hold floating values, static
+    ones are hashable, data holds no strings. Rebuilding by JAX (unflatten) skips the
+    checks, so build pytrees of `None`s or axis numbers (e.g. `vmap`'s `in_axes`)
+    with `jax.tree.map` rather than through the constructor.
+
     The decorated class gets:
 
     - `Model.Tangent`: a generated, registered pytree class (`ModelTangent`)
@@ -942,7 +971,7 @@ def _move_leaf(x: Any, t: Any, where: str) -> Any:
         )
     t = materialise(t)
     if isinstance(x, quax.Value):
-        return quax.quaxify(operator.add)(x, t)
+        return _add(x, t)
     # `optax.apply_updates` semantics: the field keeps its dtype, so moved models are
     # valid `scan` carries.
     return jnp.asarray(x + t).astype(jnp.result_type(x))
@@ -1066,8 +1095,9 @@ def differentiable_part(model: Any) -> Any:
             is_leaf=_is_split_leaf,
         )
 
-    return spec.tangent._from_fields(
-        {name: part(getattr(model, name)) for name in spec.names(_DIFFERENTIABLE)}
+    return _tangent_from_fields(
+        spec.tangent,
+        {name: part(getattr(model, name)) for name in spec.names(_DIFFERENTIABLE)},
     )
 
 
@@ -1152,4 +1182,3 @@ def norm(tangent: PyTree) -> Scalar:
     A non-negative real scalar.
     """
     return jnp.sqrt(jnp.real(inner(tangent, tangent)))
-

@@ -65,7 +65,9 @@ def test_thread_example_grad():
     assert type(dmodel) is Model.Tangent
     assert type(dmodel).__name__ == "ModelTangent"
     assert [f.name for f in dataclasses.fields(Model.Tangent)] == ["b", "c"]
-    assert_trees_close(dmodel, Model.Tangent(b=jnp.array([3.0]), c=jnp.array([5.0, 5.0])))
+    assert_trees_close(
+        dmodel, Model.Tangent(b=jnp.array([3.0]), c=jnp.array([5.0, 5.0]))
+    )
     assert repr(dmodel) == (
         "ModelTangent(b=Array([3.], dtype=float32), c=Array([5., 5.], dtype=float32))"
     )
@@ -199,6 +201,10 @@ def test_jit_vmap_cond_while_checkpoint(make):
 
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), layer, stepped)
     batched = jax.vmap(qt.grad(_layer_loss))(stacked)
+    in_axes = jax.tree.map(lambda _: 0, stacked)  # a prefix tree of axis numbers
+    assert_trees_close(
+        jax.vmap(_layer_loss, (in_axes,))(stacked), jax.vmap(_layer_loss)(stacked)
+    )
     assert type(batched) is cls.Tangent and batched.w.shape == (2, 2, 3)
     assert_trees_close(jax.vmap(_layer_loss)(stacked)[0], _layer_loss(layer), rtol=1e-6)
 
@@ -309,9 +315,12 @@ def test_unmarked_fields_rule():
     assert [k for k in kinds if kinds[k] == "data"] == data
     assert [k for k in kinds if kinds[k] == "static"] == [*static, "fixed_shape"]
     assert dataclasses.fields(Unmarked.Tangent) == ()
+
     # Static fields are Python values under jit; data fields are traced.
     def fn(m):
-        assert isinstance(m.step, jax.core.Tracer) and isinstance(m.rate, jax.core.Tracer)
+        assert isinstance(m.step, jax.core.Tracer) and isinstance(
+            m.rate, jax.core.Tracer
+        )
         return jnp.zeros(m.fixed_shape) + m.step if m.training else None
 
     assert_trees_close(jax.jit(fn)(model), jnp.ones(4))
@@ -372,6 +381,7 @@ def test_tangent_arithmetic():
     assert_trees_close(2.0 * t, jax.tree.map(lambda x: 2 * x, t))
     assert_trees_close(t * jnp.float32(3), jax.tree.map(lambda x: 3 * x, t))
     assert_trees_close(t / 4.0, jax.tree.map(lambda x: x / 4, t))
+    assert_trees_close(sum([t, u, t]), t + u + t)
     flat = lambda a: jnp.concatenate([jnp.ravel(x) for x in jtu.tree_leaves(a)])
     np.testing.assert_allclose(qt.inner(t, u), jnp.dot(flat(t), flat(u)), rtol=1e-6)
     np.testing.assert_allclose(qt.norm(t), jnp.linalg.norm(flat(t)), rtol=1e-6)
@@ -420,8 +430,12 @@ def test_tangent_with_compressed_fields():
     assert type((-0.5 * t).x) is qt.LowRank and type((t / 2).x) is qt.LowRank
     dense_t, dense_u = qt.materialise(t), qt.materialise(u)
     np.testing.assert_allclose(qt.inner(t, u), qt.inner(dense_t, dense_u), rtol=1e-5)
-    np.testing.assert_allclose(qt.inner(t, dense_u), qt.inner(dense_t, dense_u), rtol=1e-5)
-    np.testing.assert_allclose(qt.inner(dense_t, u), qt.inner(dense_t, dense_u), rtol=1e-5)
+    np.testing.assert_allclose(
+        qt.inner(t, dense_u), qt.inner(dense_t, dense_u), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        qt.inner(dense_t, u), qt.inner(dense_t, dense_u), rtol=1e-5
+    )
     np.testing.assert_allclose(qt.norm(t), qt.norm(dense_t), rtol=1e-5)
     assert_trees_close(
         qt.materialise((t - u) / 2), (dense_t - dense_u) / 2, rtol=1e-5, atol=1e-6
@@ -457,7 +471,12 @@ def test_grad_gives_compressed_fields_and_jvp_takes_them():
 
 
 def test_move_keeps_everything_else():
-    model = Nested(Pair(jnp.ones(2), jnp.ones(3)), [Pair(jnp.ones(1), jnp.ones(2))], jnp.ones((2, 2)), counter=5)
+    model = Nested(
+        Pair(jnp.ones(2), jnp.ones(3)),
+        [Pair(jnp.ones(1), jnp.ones(2))],
+        jnp.ones((2, 2)),
+        counter=5,
+    )
     t = _nested_tangent(3)
     moved = qt.move(model, t)
     assert type(moved) is Nested and type(moved.pairs[0]) is Pair
@@ -471,7 +490,11 @@ def test_move_keeps_everything_else():
 
 def test_apply_tangent_updates_with_optax():
     optax = pytest.importorskip("optax")
-    model = Nested(Pair(jnp.ones(2), jnp.ones(3)), [Pair(jnp.ones(1), jnp.ones(2))], jnp.ones((2, 2)))
+    model = Nested(
+        Pair(jnp.ones(2), jnp.ones(3)),
+        [Pair(jnp.ones(1), jnp.ones(2))],
+        jnp.ones((2, 2)),
+    )
 
     def loss(m):
         return sum(jnp.sum(x**2) for x in jtu.tree_leaves(qt.differentiable_part(m)))
@@ -590,6 +613,9 @@ def test_user_declared_tangent_nested():
     assert type(grads) is HoldsBuffer.Tangent and type(grads.buffer) is BufferTangent
     assert_trees_close(grads.buffer, BufferTangent(jnp.array(12.0), jnp.array(28.0)))
     assert_trees_close((grads + grads).buffer, BufferTangent(24.0, 56.0))
+    # The user's Tangent defines `+` only; a NamedTuple's `*` would repeat it.
+    with pytest.raises(TypeError, match="does not define `__mul__`"):
+        2 * grads
     moved = model.move(qt.zero_tangent(model))
     assert_trees_close(moved, model)
     assert type(scanned_identity(model)) is HoldsBuffer
@@ -653,7 +679,10 @@ def test_move_with_the_wrong_tangent_class():
 
 
 def test_tangent_missing_or_extra_fields():
-    with pytest.raises(TypeError, match=r"exactly the differentiable fields of `Model`, \['b', 'c'\].*missing"):
+    with pytest.raises(
+        TypeError,
+        match=r"exactly the differentiable fields of `Model`, \['b', 'c'\].*missing",
+    ):
         Model.Tangent(b=jnp.ones(1))
     with pytest.raises(TypeError, match="unexpected keyword argument 'a'"):
         Model.Tangent(b=jnp.ones(1), c=jnp.ones(2), a=1)
@@ -664,7 +693,9 @@ def test_tangent_missing_or_extra_fields():
         x: Differentiable[jax.Array]
         n: int = 0
 
-    with pytest.raises(TypeError, match=r"`.*Plain` takes the fields \['x', 'n'\].*missing"):
+    with pytest.raises(
+        TypeError, match=r"`.*Plain` takes the fields \['x', 'n'\].*missing"
+    ):
         Plain()
     with pytest.raises(TypeError, match="unexpected keyword argument 'y'"):
         Plain(x=jnp.ones(1), y=2)
@@ -673,28 +704,38 @@ def test_tangent_missing_or_extra_fields():
 @pytest.mark.parametrize("make", FORMS)
 def test_unhashable_static_field(make):
     cls = make()
-    with pytest.raises(TypeError, match=r"Static field `.*Layer.name` holds an unhashable list"):
+    with pytest.raises(
+        TypeError, match=r"Static field `.*Layer.name` holds an unhashable list"
+    ):
         cls(w=jnp.ones(2), b=jnp.ones(2), stats=jnp.ones(2), step=0, name=["a"])
 
 
 @pytest.mark.parametrize("make", FORMS)
 def test_differentiable_field_holding_integers(make):
     cls = make()
-    with pytest.raises(TypeError, match=r"`.*Layer.w` is differentiable but holds a dtype int32"):
+    with pytest.raises(
+        TypeError, match=r"`.*Layer.w` is differentiable but holds a dtype int32"
+    ):
         cls(w=jnp.arange(3), b=jnp.ones(2), stats=jnp.ones(2), step=0, name="a")
-    with pytest.raises(TypeError, match=r"`.*Layer.b` is differentiable but holds a dtype int32"):
+    with pytest.raises(
+        TypeError, match=r"`.*Layer.b` is differentiable but holds a dtype int32"
+    ):
         cls(w=jnp.ones(2), b=1, stats=jnp.ones(2), step=0, name="a")
 
 
 def test_differentiable_field_mutated_to_integers():
     model = thread_model()
     model.b = jnp.arange(1)  # a non-frozen dataclass can be changed after the checks
-    with pytest.raises(TypeError, match="`Model.b` is differentiable but holds a dtype int32"):
+    with pytest.raises(
+        TypeError, match="`Model.b` is differentiable but holds a dtype int32"
+    ):
         qt.grad(thread_loss)(model)
 
 
 def test_decorator_applied_twice():
-    with pytest.raises(TypeError, match="already @differentiable; apply the decorator once"):
+    with pytest.raises(
+        TypeError, match="already @differentiable; apply the decorator once"
+    ):
         differentiable(Model)
 
 
@@ -726,7 +767,9 @@ def test_field_both_static_and_differentiable():
         class D:
             x: Static[NoDerivative[int]]
 
-    with pytest.raises(TypeError, match=r"equinox decides what is static.*eqx|equinox.field"):
+    with pytest.raises(
+        TypeError, match=r"equinox decides what is static.*eqx|equinox.field"
+    ):
 
         @differentiable
         class E(eqx.Module):
@@ -785,7 +828,9 @@ def test_undecorated_subclass_and_extra_attributes():
             self.x = x
             self.cache = {}
 
-    with pytest.raises(TypeError, match=r"attributes \['cache'\] that are not declared"):
+    with pytest.raises(
+        TypeError, match=r"attributes \['cache'\] that are not declared"
+    ):
         Cached(jnp.ones(1))
 
     @differentiable
@@ -796,6 +841,22 @@ def test_undecorated_subclass_and_extra_attributes():
 
     with pytest.raises(TypeError, match="annotate it `Static"):
         Named(jnp.ones(1), label="a")
+
+
+def test_slots_dataclass():
+    @differentiable
+    @dataclass(slots=True, frozen=True)
+    class Slotted:
+        w: Differentiable[jax.Array]
+        step: int = 0
+        name: str = "s"
+
+    model = Slotted(jnp.ones(2), 3)
+    grads = qt.grad(lambda m: jnp.sum(m.w) * m.step)(model)
+    assert_trees_close(grads, Slotted.Tangent(3 * jnp.ones(2)))
+    moved = model.move(grads)
+    assert (moved.step, moved.name) == (3, "s")
+    assert type(scanned_identity(moved)) is Slotted
 
 
 def test_decorated_subclass():
@@ -839,18 +900,23 @@ class ClassSpec:
 
 
 def class_specs(depth=0):
-    kinds = ["diff", "data_float", "data_int", "static"] + (["nested"] if depth < 2 else [])
+    kinds = ["diff", "data_float", "data_int", "static"] + (
+        ["nested"] if depth < 2 else []
+    )
     field = st.builds(
         FieldSpec,
         kind=st.sampled_from(kinds),
         style=st.integers(0, 2),
         shape=st.sampled_from(SHAPES),
     ).flatmap(
-        lambda f: st.builds(
-            lambda inner: dataclasses.replace(f, inner=inner), class_specs(depth + 1)
+        lambda f: (
+            st.builds(
+                lambda inner: dataclasses.replace(f, inner=inner),
+                class_specs(depth + 1),
+            )
+            if f.kind == "nested"
+            else st.just(f)
         )
-        if f.kind == "nested"
-        else st.just(f)
     )
     return st.builds(
         ClassSpec,
@@ -861,7 +927,11 @@ def class_specs(depth=0):
 
 def _annotation(spec: FieldSpec, form: str):
     if spec.kind == "diff":
-        return [Differentiable, Differentiable[jax.Array], Annotated[jax.Array, Differentiable]][spec.style]
+        return [
+            Differentiable,
+            Differentiable[jax.Array],
+            Annotated[jax.Array, Differentiable],
+        ][spec.style]
     if spec.kind == "data_float":
         return [jax.Array, NoDerivative[jax.Array], Any][spec.style]
     if spec.kind == "data_int":
@@ -874,7 +944,9 @@ def _annotation(spec: FieldSpec, form: str):
 
 
 def build_class(spec: ClassSpec):
-    annotations = {f"f{i}": _annotation(f, spec.form) for i, f in enumerate(spec.fields)}
+    annotations = {
+        f"f{i}": _annotation(f, spec.form) for i, f in enumerate(spec.fields)
+    }
     namespace: dict[str, Any] = {"__annotations__": annotations}
     if spec.form == "module":
         for i, f in enumerate(spec.fields):
@@ -914,16 +986,28 @@ def models(draw):
 
 def _float_leaves_loss(model):
     """A loss that touches every floating leaf, data included, with its own weight."""
-    leaves = [x for x in jtu.tree_leaves(model) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    return sum(((i + 1) * jnp.sum(x) for i, x in enumerate(leaves)), start=jnp.float32(0))
+    leaves = [
+        x
+        for x in jtu.tree_leaves(model)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+    return sum(
+        ((i + 1) * jnp.sum(x) for i, x in enumerate(leaves)), start=jnp.float32(0)
+    )
 
 
 def _expected_grad(model):
     weights = {}
-    leaves = [x for x in jtu.tree_leaves(model) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    leaves = [
+        x
+        for x in jtu.tree_leaves(model)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
     for i, x in enumerate(leaves):
         weights[id(x)] = i + 1
-    return jax.tree.map(lambda p: weights[id(p)] * jnp.ones_like(p), qt.differentiable_part(model))
+    return jax.tree.map(
+        lambda p: weights[id(p)] * jnp.ones_like(p), qt.differentiable_part(model)
+    )
 
 
 def _random_tangent(model, rng):
@@ -960,7 +1044,9 @@ def test_property_grad(generated):
     assert_trees_close(grads, expected)
     direction = _random_tangent(model, rng)
     _, tangent_out = qt.jvp(_float_leaves_loss, (model,), (direction,))
-    np.testing.assert_allclose(tangent_out, qt.inner(expected, direction), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        tangent_out, qt.inner(expected, direction), rtol=1e-5, atol=1e-5
+    )
 
 
 @given(models())
@@ -981,3 +1067,21 @@ def test_property_move(generated):
     assert_trees_close(qt.differentiable_part(moved), qt.differentiable_part(model) + t)
     assert_trees_close(moved.move(u), model.move(t + u), rtol=1e-5, atol=1e-6)
     assert_trees_close(moved.move(-t), model, rtol=1e-5, atol=1e-6)
+
+
+def test_vjp_and_linearize_use_the_tangent_type():
+    @qt.differentiable
+    @dataclasses.dataclass
+    class Affine:
+        w: qt.Differentiable
+        steps: int = 0
+
+    model = Affine(w=jnp.arange(3.0), steps=2)
+    out, pullback = qt.vjp(lambda m: jnp.sum(m.w**2) * m.steps, model)
+    (ct,) = pullback(jnp.ones(()))
+    assert isinstance(ct, Affine.Tangent)
+    assert jnp.allclose(ct.w, 4 * jnp.arange(3.0))
+    _, f_jvp = qt.linearize(lambda m: jnp.sum(m.w**2) * m.steps, model)
+    assert jnp.allclose(
+        f_jvp(Affine.Tangent(w=jnp.ones(3))), 4 * jnp.sum(jnp.arange(3.0))
+    )

@@ -1,0 +1,555 @@
+"""Compressed all-reduce inside `jax.shard_map`, the optax transformations across
+devices, the collectives read from compiled HLO, and the data-parallel example.
+
+The multi-device tests need 4 host CPU devices. JAX fixes its device count when it
+starts, and in a test process it usually starts with one, so when this process has
+too few devices they are skipped here and run in a fresh Python process with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`
+(`test_multi_device_tests_in_a_fresh_process`).
+"""
+
+import functools as ft
+import pathlib
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import quax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import quax_tangents as qt
+import quax_tangents.optax as qto
+from quax_tangents._collective import collectives_in_hlo, orthonormalise
+from tests.helpers import assert_close
+from tests.helpers.collective import (
+    AXIS,
+    DEVICES,
+    enough_devices,
+    on_mesh,
+    put,
+    quadratic,
+    quadratic_grad,
+    run_python,
+    split,
+)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+needs_devices = pytest.mark.skipif(
+    not enough_devices(),
+    reason="runs in a fresh process with 8 host CPU devices (see "
+    "test_multi_device_tests_in_a_fresh_process)",
+)
+
+
+@pytest.mark.skipif(enough_devices(), reason="this process has the devices")
+def test_multi_device_tests_in_a_fresh_process():
+    result = run_python(
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not example and not fresh_process",
+            __file__,
+        ],
+        cwd=ROOT,
+    )
+    assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
+    assert "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+def _relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+# ---------------------------------------------------------------------------------
+# all_reduce: every method against the same computation done centrally
+
+
+_COMPRESSORS = {
+    "LowRank": lambda x: qt.low_rank(x, 2),
+    "Sparse": lambda x: qt.top_k(x, 7),
+    "Quantized": lambda x: qt.quantize(x, bits=8, block_size=16),
+    "SignNorm": lambda x: qt.sign_norm(x, block_size=16),
+}
+# What `GatherSum` returns: the exact sum stays compressed where it has a compressed
+# form.
+_SUM_TYPES = {
+    "LowRank": qt.LowRank,
+    "Sparse": qt.Sparse,
+    "Quantized": jax.Array,
+    "SignNorm": jax.Array,
+}
+
+
+def _per_device_matrices(seed=0, shape=(12, 10)):
+    return np.random.default_rng(seed).standard_normal((DEVICES, *shape), np.float32)
+
+
+def _central_sum(name, xs):
+    return sum(_COMPRESSORS[name](x).materialise() for x in xs)
+
+
+@needs_devices
+@pytest.mark.parametrize("name", list(_COMPRESSORS))
+def test_gather_sum_equals_compress_then_sum(name):
+    xs = _per_device_matrices()
+    compressor = _COMPRESSORS[name]
+    out_types = []
+
+    def body(x):
+        total = qt.all_reduce(compressor(x[0]), AXIS)
+        mean = qt.all_reduce(compressor(x[0]), AXIS, mean=True)
+        out_types.append(isinstance(total, _SUM_TYPES[name]))
+        # A replicated value is counted once per device, as `lax.psum` counts it.
+        replicated = qt.all_reduce(compressor(jnp.ones((12, 10))), AXIS)
+        return tuple(qt.materialise(v) for v in (total, mean, replicated))
+
+    total, mean, replicated = on_mesh(body, P(AXIS), P())(split(xs))
+    expected = _central_sum(name, xs)
+    assert out_types == [True]
+    assert_close(total, expected)
+    assert_close(mean, expected / DEVICES)
+    assert_close(replicated, DEVICES * compressor(jnp.ones((12, 10))).materialise())
+
+
+@needs_devices
+def test_gather_sum_without_check_vma():
+    xs = _per_device_matrices(seed=1)
+
+    def body(x):
+        return {
+            name: qt.materialise(qt.all_reduce(compressor(x[0]), AXIS))
+            for name, compressor in _COMPRESSORS.items()
+        }
+
+    out = on_mesh(body, P(AXIS), P(), check_vma=False)(split(xs))
+    for name in _COMPRESSORS:
+        assert_close(out[name], _central_sum(name, xs))
+
+
+@needs_devices
+def test_majority_vote_equals_central_vote():
+    xs = _per_device_matrices(seed=2, shape=(5, 7))
+
+    def body(x):
+        vote = qt.all_reduce(qt.sign_norm(x[0], 8), AXIS, qt.MajorityVote())
+        assert isinstance(vote, qt.SignNorm)
+        return vote.materialise()
+
+    out = on_mesh(body, P(AXIS), P())(split(xs))
+    values = [qt.sign_norm(x, 8) for x in xs]
+    votes = sum(v.signs() for v in values)
+    bits = jnp.packbits(votes >= 0, axis=-1, bitorder="little")
+    norms = sum(v.norms for v in values)
+    expected = qt.SignNorm(bits, norms, event_shape=(5, 7), block_size=8)
+    assert_close(out, expected.materialise())
+
+
+@needs_devices
+def test_power_sum_equals_central_power_iteration():
+    rng = np.random.default_rng(3)
+    lefts = rng.standard_normal((DEVICES, 12, 2), np.float32)
+    rights = rng.standard_normal((DEVICES, 10, 2), np.float32)
+    method = qt.PowerSum(iters=2, seed=5)
+
+    def body(left, right):
+        out = qt.all_reduce(qt.LowRank(left[0], right[0]), AXIS, method)
+        assert isinstance(out, qt.LowRank) and out.rank == 2
+        return out.materialise()
+
+    out = on_mesh(body, (P(AXIS), P(AXIS)), P())(split(lefts), split(rights))
+    total = np.einsum("dmr,dnr->mn", lefts, rights)
+    q = jax.random.normal(jax.random.key(5), (10, 2))
+    for _ in range(2):
+        p = orthonormalise(total @ q)
+        q = total.T @ p
+    assert _relative_error(out, p @ q.T) < 1e-5
+
+
+@needs_devices
+def test_all_reduce_rejects_a_method_for_another_type():
+    def body(x):
+        return qt.all_reduce(qt.top_k(x[0], 3), AXIS, qt.PowerSum()).materialise()
+
+    with pytest.raises(TypeError, match="PowerSum"):
+        on_mesh(body, P(AXIS), P())(split(_per_device_matrices()))
+
+
+# ---------------------------------------------------------------------------------
+# lax.psum on a compressed value inside a quaxified function
+
+
+@needs_devices
+def test_lax_psum_under_quax_raises_with_check_vma():
+    def body(x):
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], 2))
+
+    # The densification is not what fails (it is only counted here); the dense
+    # array's type then contradicts the value's type, which did not say it varies.
+    with qt.fallback("silent"), pytest.raises(ValueError, match="pvary"):
+        on_mesh(body, P(AXIS), P())(split(_per_device_matrices()))
+
+
+@needs_devices
+def test_lax_psum_under_quax_densifies_without_check_vma():
+    xs = _per_device_matrices()
+
+    def body(x):
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], 2))
+
+    qt.reset_fallback_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = on_mesh(body, P(AXIS), P(), check_vma=False)(split(xs))
+    assert any(issubclass(w.category, qt.DensificationWarning) for w in caught)
+    assert_close(out, _central_sum("LowRank", xs))
+
+
+# ---------------------------------------------------------------------------------
+# The optax transformations across devices
+
+
+def _params():
+    return {
+        "w": jnp.zeros((30, 20)),
+        "b": jnp.zeros(20),
+        "kernel": jnp.zeros((3, 3, 4, 8)),
+    }
+
+
+def _random_grads(seed, leading=()):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: rng.standard_normal(leading + p.shape).astype(np.float32),
+        _params(),
+    )
+
+
+@needs_devices
+def test_powersgd_across_devices_equals_central_powersgd():
+    """Three steps, each a separate call (so the state leaves and re-enters
+    `shard_map` through `partition_specs`), the first dense (`start_iter=1`)."""
+    params = _params()
+    tx = qto.powersgd(2, start_iter=1, axis_name=AXIS, seed=1)
+    central = qto.powersgd(2, start_iter=1, seed=1)
+    specs = qto.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+    state = on_mesh(tx.init, P(), specs)(params)
+    assert state.error["w"].shape == (DEVICES * 30, 20)
+
+    def step(grads, state):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        return tx.update(grads, state)
+
+    step = on_mesh(step, (P(AXIS), specs), (P(), specs))
+    central_state = central.init(params)
+    central_update = jax.jit(central.update)
+    for t in range(3):
+        grads = _random_grads(t, (DEVICES,))
+        updates, state = step(jax.tree.map(split, grads), state)
+        mean = jax.tree.map(lambda g: g.mean(0), grads)
+        expected, central_state = central_update(mean, central_state)
+        for name in params:
+            assert_close(updates[name], expected[name])
+    assert_close(state.q["w"], central_state.q["w"])
+    # Each device's error is its own residual; their mean is the central error.
+    assert_close(
+        state.error["w"].reshape(DEVICES, 30, 20).mean(0), central_state.error["w"]
+    )
+
+
+def _run_stream(tx, grads, params):
+    """`tx` applied to a stream of per-device gradients `(steps, devices, ...)` in a
+    scan on the mesh: returns the updates and the final per-device state."""
+    specs = qto.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+
+    def body(grads):
+        state = tx.init(params)
+
+        def step(state, g):
+            updates, state = tx.update(g[0], state)
+            return state, updates
+
+        state, updates = lax.scan(step, state, grads)
+        return updates, state
+
+    spec = P(None, AXIS)
+    return on_mesh(body, spec, (P(), specs))(put(grads, spec))
+
+
+@needs_devices
+@pytest.mark.parametrize(
+    "name, compressor",
+    [
+        ("top-k", lambda g: qt.top_k(g, 0.1)),
+        ("sign", qt.sign_norm),
+    ],
+)
+def test_error_feedback_tracks_the_gradients(name, compressor):
+    steps, shape = 60, (16, 12)
+    rng = np.random.default_rng(7)
+    # A drift shared by the devices plus noise: the running sum grows with t.
+    drift = rng.standard_normal(shape).astype(np.float32)
+    grads = drift + rng.standard_normal((steps, DEVICES, *shape)).astype(np.float32)
+    params = jnp.zeros(shape)
+    tx = qto.compress(compressor, error_feedback="ef", axis_name=AXIS)
+    updates, state = _run_stream(tx, grads, params)
+    applied = np.cumsum(np.asarray(updates), axis=0)
+    true = np.cumsum(grads.mean(1), axis=0)
+    errors = np.asarray(state.error).reshape(DEVICES, *shape)
+    # Exactly: the applied sum is the true sum minus the devices' mean error.
+    assert_close(applied[-1], true[-1] - errors.mean(0), scale=np.abs(true).max())
+    # The error stays bounded: far below the running sum, which grows like t.
+    gap = np.linalg.norm(applied - true, axis=(1, 2))
+    assert gap.max() < 0.1 * np.linalg.norm(true[-1])
+    assert gap[steps // 2 :].max() < 2 * gap[: steps // 2].max()
+
+
+@needs_devices
+def test_ef21_estimates_converge_to_a_fixed_gradient():
+    shape = (16, 12)
+    grads = np.random.default_rng(8).standard_normal((DEVICES, *shape), np.float32)
+    stream = np.broadcast_to(grads, (80, DEVICES, *shape)).copy()
+    tx = qto.compress(lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS)
+    updates, state = _run_stream(tx, stream, jnp.zeros(shape))
+    assert _relative_error(updates[-1], grads.mean(0)) < 1e-5
+    assert_close(state.aggregate, grads.mean(0))
+
+
+# ---------------------------------------------------------------------------------
+# Convergence on a convex quadratic
+
+
+def _majority_vote_sgd(learning_rate):
+    """signSGD with error feedback and a majority vote, as an optax transformation."""
+
+    def init(params):
+        return qt.device_varying(jnp.zeros_like(params), AXIS)
+
+    def update(g, error, params=None):
+        v = g + error
+        c = qt.sign_norm(v)
+        vote = qt.all_reduce(c, AXIS, qt.MajorityVote(), mean=True).materialise()
+        return -learning_rate * vote, v - c.materialise()
+
+    return optax.GradientTransformation(init, update)
+
+
+# Relative distance to the solution after 600 steps of SGD (learning rate 0.1) on
+# `tests.helpers.collective.quadratic`. Methods whose compression error cancels out
+# converge to rounding: PowerSGD (its P and Q are shared, so the devices' errors
+# act as one), EF21 and dense. Per-device error feedback with heterogeneous data
+# stalls at a distance proportional to the learning rate; int8 without feedback at
+# its rounding error; the majority vote is biased when the devices disagree.
+_CONVERGENCE = {
+    "dense": (
+        lambda: optax.stateless(lambda u, p: qt.all_reduce(u, AXIS, mean=True)),
+        1e-5,
+    ),
+    "powersgd-r1": (lambda: qto.powersgd(1, axis_name=AXIS), 1e-5),
+    "powersgd-r2-cold-start10": (
+        lambda: qto.powersgd(2, warm_start=False, start_iter=10, axis_name=AXIS),
+        1e-5,
+    ),
+    "top-k-ef21": (
+        lambda: qto.compress(
+            lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS
+        ),
+        1e-5,
+    ),
+    "int8": (
+        lambda: qto.compress(
+            ft.partial(qt.quantize, bits=8, block_size=32),
+            error_feedback=None,
+            axis_name=AXIS,
+        ),
+        1e-3,
+    ),
+    "top-k-ef": (
+        lambda: qto.compress(lambda g: qt.top_k(g, 0.1), axis_name=AXIS),
+        2e-2,
+    ),
+    "sign-ef": (lambda: qto.compress(qt.sign_norm, axis_name=AXIS), 2e-2),
+    "low-rank-gather-ef": (
+        lambda: qto.compress(
+            lambda g: qt.low_rank(g, 1), min_compression_rate=1.0, axis_name=AXIS
+        ),
+        2e-2,
+    ),
+}
+
+
+@needs_devices
+def test_every_method_converges_on_a_convex_quadratic():
+    a, b, solution = quadratic()
+    steps = 600
+
+    def run(tx, a, b):
+        w = jnp.zeros(solution.shape)
+        state = tx.init(w)
+
+        def step(carry, _):
+            w, state = carry
+            updates, state = tx.update(quadratic_grad(w, a, b), state, w)
+            return (w + updates, state), None
+
+        (w, _), _ = lax.scan(step, (w, state), length=steps)
+        return w
+
+    def body(a, b):
+        out = {
+            name: run(optax.chain(make(), optax.sgd(0.1)), a[0], b[0])
+            for name, (make, _) in _CONVERGENCE.items()
+        }
+        out["majority-vote-ef"] = run(_majority_vote_sgd(0.1), a[0], b[0])
+        return out
+
+    found = on_mesh(body, (P(AXIS), P(AXIS)), P())(split(a), split(b))
+    tolerances = {name: tol for name, (_, tol) in _CONVERGENCE.items()}
+    tolerances["majority-vote-ef"] = 0.15
+    errors = {name: _relative_error(w, solution) for name, w in found.items()}
+    failed = {n: e for n, e in errors.items() if not e < tolerances[n]}
+    assert not failed, (failed, errors)
+
+
+# ---------------------------------------------------------------------------------
+# What the compiled step sends
+
+
+def _mlp_params():
+    return {
+        "w1": jnp.zeros((32, 24)),
+        "b1": jnp.zeros(24),
+        "w2": jnp.zeros((24, 16)),
+    }
+
+
+def _mlp_loss(params, x):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.sum((h @ params["w2"]) ** 2)
+
+
+def _step_collectives(tx, per_device_grads: bool):
+    params = _mlp_params()
+    specs = qto.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+    state = on_mesh(tx.init, P(), specs)(params)
+
+    def step(params, state, x):
+        replica = qt.device_varying(params, AXIS) if per_device_grads else params
+        grads = jax.grad(_mlp_loss)(replica, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = split(np.ones((DEVICES * 4, 32), np.float32))
+    step = on_mesh(step, (P(), specs, P(AXIS)), (P(), specs))
+    return qt.collectives(step, params, state, x)
+
+
+_WEIGHT_SHAPES = {"f32[32,24]", "f32[24,32]", "f32[24,16]", "f32[16,24]"}
+
+
+@needs_devices
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: qto.powersgd(2, axis_name=AXIS),
+        lambda: qto.compress(lambda g: qt.top_k(g, 0.05), axis_name=AXIS),
+    ],
+    ids=["powersgd", "top-k"],
+)
+def test_compressed_step_has_no_weight_shaped_all_reduce(make_tx):
+    found = _step_collectives(make_tx(), per_device_grads=True)
+    reduced = {s for c in found if c.kind == "all-reduce" for s in c.operand_shapes}
+    assert not reduced & _WEIGHT_SHAPES, found
+    assert reduced <= {"f32[24]", "f32[32,2]", "f32[24,2]", "f32[16,2]"}, found
+
+
+@needs_devices
+def test_replicated_weight_gradient_is_all_reduced_densely_without_device_varying():
+    """The reason for `device_varying`: JAX's AD all-reduces the gradient of a
+    replicated weight before the transformation sees it."""
+    found = _step_collectives(qto.powersgd(2, axis_name=AXIS), per_device_grads=False)
+    reduced = {s for c in found if c.kind == "all-reduce" for s in c.operand_shapes}
+    assert reduced & _WEIGHT_SHAPES, found
+
+
+@needs_devices
+def test_powersgd_round_bytes_are_analytic():
+    found = _step_collectives(qto.powersgd(2, axis_name=AXIS), per_device_grads=True)
+    sent = sum(c.operand_bytes for c in found)
+    rank, itemsize = 2, 4
+    matrices = rank * ((32 + 24) + (24 + 16)) * itemsize
+    assert sent == matrices + 24 * itemsize
+    assert all(c.kind == "all-reduce" for c in found)
+
+
+_HLO = """\
+HloModule jit_step, num_partitions=4
+
+%region (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: f32[64,4], p1: s8[1,8,16]) -> f32[64,4] {
+  %p0 = f32[64,4]{1,0} parameter(0), sharding={replicated}
+  %p1 = s8[1,8,16]{2,1,0} parameter(1)
+  %fusion.1 = f32[24]{0} fusion(%p0), kind=kLoop, calls=%region
+  %all-reduce = (f32[24]{0}, f32[64,4]{1,0}) all-reduce(%fusion.1, /*index=1*/%p0), channel_id=1, to_apply=%region
+  %ag = s8[4,8,16]{2,1,0} all-gather(s8[1,8,16]{2,1,0} %p1), dimensions={0}
+  %ars = f32[64,4]{1,0} all-reduce-start(%p0), to_apply=%region
+  %ard = f32[64,4]{1,0} all-reduce-done(%ars)
+  ROOT %out = f32[64,4]{1,0} add(%ard, %p0)
+}
+"""
+
+
+def test_collectives_in_hlo_reads_kinds_and_operand_bytes():
+    found = collectives_in_hlo(_HLO)
+    assert [(c.kind, c.operand_shapes, c.operand_bytes) for c in found] == [
+        ("all-reduce", ("f32[24]", "f32[64,4]"), 96 + 1024),
+        ("all-gather", ("s8[1,8,16]",), 128),
+        ("all-reduce", ("f32[64,4]",), 1024),
+    ]
+
+
+# ---------------------------------------------------------------------------------
+# The example
+
+
+def test_data_parallel_example_quick(tmp_path):
+    pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
+    out = tmp_path / "dp.md"
+    methods = "dense,powersgd-r2,top-k-1%-ef,sign-ef"
+    result = run_python(
+        [
+            str(ROOT / "examples" / "data_parallel.py"),
+            "--quick",
+            "--no-progress",
+            "--methods",
+            methods,
+            "--out",
+            str(out),
+        ]
+    )
+    text = out.read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in text.splitlines()
+        if line.startswith("|") and "%" in line
+    }
+    assert set(methods.split(",")) <= set(rows), text
+    assert "all-gather" in rows["top-k-1%-ef"] and "all-gather" not in rows["dense"]
+    assert "test accuracy" in result.stdout
