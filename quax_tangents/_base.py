@@ -33,6 +33,12 @@ class CompressedArray(quax.ArrayValue):
     def materialise(self) -> Array: ...
 
     @property
+    def batch_ndim(self) -> int:
+        """How many leading dims every field shares as batch dims, so that slicing
+        every field along them (as `lax.scan` and `vmap` do) slices the value."""
+        return 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes actually stored: the sum over the array fields."""
         return sum(

@@ -15,7 +15,7 @@ object, so this cannot be made to raise; `all_reduce` is the path to use.
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
@@ -173,8 +173,10 @@ def orthonormalise(p: Float[Array, "*batch m r"]) -> Float[Array, "*batch m r"]:
 
     A column that is zero after removing the previous ones (a zero gradient, or a
     rank lower than `r`) stays zero instead of becoming NaN, which a plain QR or a
-    normalisation without a guard gives for rank 1 and 2. Running the projections
-    twice keeps the columns orthogonal to rounding ("twice is enough").
+    normalisation without a guard gives for rank 1 and 2. Each column is divided by
+    its largest magnitude before its norm is taken, so tiny columns (whose squares
+    underflow) are normalised, not dropped. Running the projections twice keeps the
+    columns orthogonal to rounding ("twice is enough").
 
     **Arguments:**
 
@@ -186,16 +188,18 @@ def orthonormalise(p: Float[Array, "*batch m r"]) -> Float[Array, "*batch m r"]:
     """
     dtype = p.dtype
     work = p.astype(jnp.promote_types(dtype, jnp.float32))
-    tiny = jnp.finfo(work.dtype).tiny
     columns: list[Array] = []
     for j in range(work.shape[-1]):
         v = work[..., j]
         for _ in range(2):
             for u in columns:
                 v = v - jnp.sum(u * v, axis=-1, keepdims=True) * u
-        norm = jnp.linalg.norm(v, axis=-1, keepdims=True)
-        nonzero = norm > tiny
-        columns.append(jnp.where(nonzero, v / jnp.where(nonzero, norm, 1.0), 0.0))
+        largest = jnp.max(jnp.abs(v), axis=-1, keepdims=True)
+        nonzero = largest > 0
+        unit = v / jnp.where(nonzero, largest, 1.0)
+        # At least 1 where the column is nonzero: its largest entry is now 1.
+        norm = jnp.linalg.norm(unit, axis=-1, keepdims=True)
+        columns.append(jnp.where(nonzero, unit / jnp.where(nonzero, norm, 1.0), 0.0))
     return jnp.stack(columns, axis=-1).astype(dtype)
 
 
@@ -370,9 +374,9 @@ def all_reduce(
     `quax_tangents.low_rank`. Dense arrays are summed with `lax.psum`. Compressed
     values are summed as `method` says:
 
-    - [`quax_tangents.GatherSum`][] (the default, `None`): exact, by all-gathering the fields;
-        LowRank and Sparse results stay compressed, Quantized and SignNorm results are
-        dense sums computed in float32.
+    - [`quax_tangents.GatherSum`][] (the default, `None`): exact, by all-gathering the
+        fields; LowRank and Sparse results stay compressed, Quantized and SignNorm
+        results are dense sums computed in float32.
     - [`quax_tangents.PowerSum`][]: LowRank only; PowerSGD rounds, approximate,
         `r * (m + n)` elements per matrix per round.
     - [`quax_tangents.MajorityVote`][]: SignNorm only; a SignNorm of the majority signs.
@@ -564,11 +568,3 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = lowerable.lower(*args, **kwargs).compile()
     return collectives_in_hlo(compiled.as_text())
-
-
-def bytes_per_kind(found: Sequence[Collective]) -> dict[str, int]:
-    """Operand bytes summed per collective kind."""
-    totals: dict[str, int] = {}
-    for c in found:
-        totals[c.kind] = totals.get(c.kind, 0) + c.operand_bytes
-    return totals

@@ -300,11 +300,24 @@ def _settled_fn(body: _Body, plans: Sequence[Callable]) -> Callable:
     return run
 
 
+def _sliceable(x: Any) -> Any:
+    """A scanned-over value whose leading dim is not a batch dim of its fields (the
+    rows of one LowRank matrix, say) cannot be sliced field by field: make it
+    dense, counted."""
+    if isinstance(x, CompressedArray) and x.batch_ndim == 0:
+        record_densification(
+            "scan", (type(x).__name__,), "scanning over a dim that is not a batch dim"
+        )
+        return x.materialise()
+    return x
+
+
 @rule(jax.lax.scan_p, precedence=1)
 def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
     consts, carry, xs = unpack_scan_args(args, params)
+    xs = [_sliceable(x) for x in xs]
     xs_avals = [
         jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jtu.tree_leaves(list(xs))
     ]

@@ -6,7 +6,8 @@ JVP, and `g = s v` is an unbiased estimate of `grad f`: `E[g] = E[v v^T] grad f`
 
 Here `v` is drawn directly as a compressed value, so the JVP pushes it through the
 network from its factors (or entries) and the estimate `s v` is a scalar times `v`,
-which stays compressed. No weight-sized direction is ever built.
+which stays compressed. With low-rank or sparse directions no weight-sized direction
+is ever built.
 """
 
 import dataclasses
@@ -85,19 +86,23 @@ def forward_grad(
     - `"low_rank"`: a leaf of shape `(..., m, n)` gets the `LowRank` direction
         `sum_i a_i b_i^T / sqrt(rank)` with standard normal `a_i` (length `m`) and
         `b_i` (length `n`), independently per leading index. Nothing is normalised or
-        orthonormalised: that would break unbiasedness. For `rank=1` and a single
-        `m x n` leaf the expected squared error is
-        `((m + 2)(n + 2) - 1) ||grad f||^2`, close to the dense Gaussian's.
+        orthonormalised: that would break unbiasedness. For a single `m x n` leaf the
+        expected squared error is
+        `(((m + 2)(n + 2) + (rank - 1)(m n + 2)) / rank - 1) ||grad f||^2`: for
+        `rank=1`, `(m + 2)(n + 2) - 1`, close to the dense Gaussian's `m n + 1`. A
+        leaf whose factors would be no smaller than it, `rank (m + n) >= m n` (a row
+        or a column, say), gets a dense Gaussian direction instead.
     - `"gaussian"`: a dense standard normal direction per leaf. Expected squared
         error `(d + 1) ||grad f||^2` over all `d` parameters.
     - `"sparse"`: a leaf of `n` entries gets a `Sparse` direction with `k` entries of
         random sign, one drawn uniformly from each of `k` equal contiguous blocks of
         the flattened leaf (block sizes differ by at most one when `k` does not divide
         `n`) and scaled by the square root of its block size, `sqrt(n/k)` when the
-        blocks are equal. Each entry is thus picked with probability `1/size`, scaled
-        by `sqrt(size)`. Drawing by blocks avoids the `n`-sized permutation that a
-        uniformly random subset needs. Expected squared error `(n - 1) ||grad f||^2`
-        for a single leaf, whatever `k`: a smaller `k` is cheaper at the same variance.
+        blocks are equal: an entry of a block of `size` entries is picked with
+        probability `1/size` and scaled by `sqrt(size)`. Drawing by blocks avoids the
+        `n`-sized permutation that a uniformly random subset needs. Expected squared
+        error `(n - 1) ||grad f||^2` for a single leaf, whatever `k`: a smaller `k`
+        is cheaper at the same variance.
 
     In every mode, leaves with fewer than two dimensions (biases, scalars) get dense
     standard normal directions: they are small, and have no low-rank form.
@@ -113,6 +118,11 @@ def forward_grad(
     Generic optax transforms map over leaves, so hand them
     `quax_tangents.materialise(g)`, or use `quax_tangents.move` for a
     `@differentiable` model, which materialises each leaf as it adds it.
+
+    The JVP's tangent stays compressed only as far as the rules allow: through a
+    bias add or a nonlinearity it becomes a dense activation-sized array, recorded
+    with the fallback policy (under the default `"warn"`, a `DensificationWarning`;
+    `quax_tangents.fallback("silent")` only counts it).
 
     Call it under `jax.jit` (with `key` as an argument): eagerly every random draw and
     every rule dispatches on its own.
@@ -236,13 +246,8 @@ def _is_value(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
-    """How one leaf's direction is built from random numbers shared by all leaves.
-
-    Every leaf takes its slice of one flat draw of standard normals and one flat draw
-    of integers, instead of drawing its own: XLA compiles a random generator per call
-    site (threefry, on CPU, in seconds), so one call per kind keeps compile time flat
-    in the number of leaves.
-    """
+    """How one leaf's direction is built from standard normals and integers, which
+    `_draw_tree` draws for all leaves at once where it can (see `_OWN_DRAW`)."""
 
     dtype: Any  # the leaf's dtype
     normals: int  # how many standard normals the leaf consumes
@@ -316,14 +321,28 @@ def _recipe(
     if directions == "gaussian" or len(shape) < 2:
         return _gaussian(shape, dtype)
     if directions == "low_rank":
+        m, n = shape[-2:]
+        if rank * (m + n) >= m * n:  # factors no smaller than the matrix
+            return _gaussian(shape, dtype)
         return _low_rank(shape, dtype, rank)
     return _sparse(shape, dtype, k)
 
 
+# A leaf that needs at least this many normals draws them on its own. Sharing one draw
+# compiles faster (XLA compiles a random generator per call site: threefry, on CPU,
+# in about a second each), but slicing a large shared draw costs copies and generator
+# scratch of the draw's size, about three times a dense direction's memory.
+_OWN_DRAW = 2**16
+
+
 def _draw_tree(recipes: list[_Recipe], treedef: Any, key: PRNGKeyArray) -> PyTree:
-    """Independent directions for all leaves, from one normal and one integer draw."""
-    key_normal, key_integer = jax.random.split(key)
-    normals = _normals(key_normal, recipes)
+    """Independent directions for all leaves: one shared draw of normals for the
+    small ones, one each for the large ones, and one shared draw of integers."""
+    key_shared, key_integer, *leaf_keys = jax.random.split(key, 2 + len(recipes))
+    shared = [r for r in recipes if r.normals < _OWN_DRAW]
+    shared_normals = _normals(
+        key_shared, sum(r.normals for r in shared), _work_dtype(shared)
+    )
     block_sizes = np.concatenate([r.block_sizes for r in recipes])
     draws = jnp.zeros(0, jnp.int32)
     if block_sizes.size:
@@ -331,27 +350,29 @@ def _draw_tree(recipes: list[_Recipe], treedef: Any, key: PRNGKeyArray) -> PyTre
             key_integer, block_sizes.shape, 0, (2 * block_sizes).astype(np.int32)
         )
     drawn, normal_at, draw_at = [], 0, 0
-    for r in recipes:
+    for r, leaf_key in zip(recipes, leaf_keys):
+        if r.normals >= _OWN_DRAW:
+            normals = _normals(leaf_key, r.normals, _work_dtype([r]))
+        else:
+            normals = shared_normals[normal_at : normal_at + r.normals]
+            normal_at += r.normals
         blocks = len(r.block_sizes)
-        drawn.append(
-            r.build(
-                normals[normal_at : normal_at + r.normals],
-                draws[draw_at : draw_at + blocks],
-            )
-        )
-        normal_at, draw_at = normal_at + r.normals, draw_at + blocks
+        drawn.append(r.build(normals, draws[draw_at : draw_at + blocks]))
+        draw_at += blocks
     return jtu.tree_unflatten(treedef, drawn)
 
 
-def _normals(key: PRNGKeyArray, recipes: list[_Recipe]) -> Array:
-    # In float32, or wider for wider leaves; half-precision leaves round them.
-    dtype = functools.reduce(
+def _work_dtype(recipes: list[_Recipe]) -> Any:
+    """float32, or wider for wider leaves; half-precision leaves round the normals."""
+    return functools.reduce(
         jnp.promote_types, [r.dtype for r in recipes], jnp.dtype(jnp.float32)
     )
-    total = sum(r.normals for r in recipes)
-    if not total:
+
+
+def _normals(key: PRNGKeyArray, count: int, dtype: Any) -> Array:
+    if not count:
         return jnp.zeros(0, dtype)
-    return jax.random.normal(key, (total,), dtype)
+    return jax.random.normal(key, (count,), dtype)
 
 
 # ---------------------------------------------------------------------------------------

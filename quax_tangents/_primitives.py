@@ -30,7 +30,7 @@ def _map_leading(fn: Callable, batch_ndim: int) -> Callable:
 
 
 def _move_batch_to_front(x: Any, dim: Any, size: int) -> Any:
-    if dim is batching.not_mapped:
+    if dim is None:  # not mapped
         return jnp.broadcast_to(x, (size,) + jnp.shape(x))
     return jnp.moveaxis(x, dim, 0)
 
@@ -50,9 +50,7 @@ def _define(
     )
 
     def batch_rule(args, dims, *, batch_ndim, **params):
-        size = next(
-            jnp.shape(a)[d] for a, d in zip(args, dims) if d is not batching.not_mapped
-        )
+        size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
         args = [_move_batch_to_front(a, d, size) for a, d in zip(args, dims)]
         return primitive.bind(*args, batch_ndim=batch_ndim + 1, **params), 0
 

@@ -251,3 +251,38 @@ def test_scan_transpose_accumulates_a_shared_weight_cotangent_densely():
     assert isinstance(grad, jax.Array)
     assert qt.fallback_counts()
     assert_close(grad, jax.grad(loss)(w), scale=float(jnp.abs(grad).max()))
+
+
+def test_scanning_over_the_rows_of_a_matrix_densifies_it():
+    w = random_array(12, (3, 4))
+    tangent = qt.LowRank(random_array(13, (3, 1)), random_array(14, (4, 1)))
+
+    def f(w):
+        return jax.lax.scan(lambda c, row: (c + jnp.sum(row**2), 2 * row), 0.0, w)
+
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        _, out = qt.jvp(f, (w,), (tangent,))
+    expected = jax.jvp(f, (w,), (tangent.materialise(),))[1]
+    for got, want in zip(
+        jax.tree.leaves(qt.materialise(out)), jax.tree.leaves(expected)
+    ):
+        assert_close(got, want, scale=10.0)
+    assert ("scan", "LowRank") in qt.fallback_counts()
+
+
+def test_scanning_over_stacked_values_keeps_them():
+    stacked = jax.vmap(lambda a: qt.low_rank(a, 1))(STACK)
+    with qt.fallback("error"):
+        _, ys = quax.quaxify(
+            lambda xs: jax.lax.scan(lambda c, x: (c, 2.0 * x), 0.0, xs)
+        )(stacked)
+    assert isinstance(ys, qt.LowRank)
+    assert_close(ys.materialise(), 2 * stacked.materialise())
+
+
+def test_construction_primitives_under_vmap():
+    xs = random_array(15, (3, 6, 8))
+    assert_close(jax.vmap(qt.materialise)(xs), xs)
+    compressed = jax.vmap(lambda a: qt.compress(a, lambda b: qt.sign_norm(b)))(xs)
+    assert_close(compressed, jax.vmap(lambda a: qt.sign_norm(a).materialise())(xs))

@@ -47,11 +47,14 @@ def _dense(tree):
 
 
 # ---------------------------------------------------------------------------------------
-# A small nonlinear problem: a 4 x 3 weight and a bias, so d = 15 parameters.
+# A small nonlinear problem: a 5 x 4 weight and a bias, so D = 24 parameters. Rank-2
+# factors (2 x 9 numbers) are still smaller than the weight, so it gets LowRank
+# directions at ranks 1 and 2.
 
-X = random_array(0, (8, 4))
-Y = random_array(1, (8, 3))
-PARAMS = {"w": random_array(2, (4, 3)), "b": random_array(3, (3,))}
+X = random_array(0, (8, 5))
+Y = random_array(1, (8, 4))
+PARAMS = {"w": random_array(2, (5, 4)), "b": random_array(3, (4,))}
+D = sum(int(np.prod(p.shape)) for p in PARAMS.values())
 
 
 def loss(params):
@@ -143,12 +146,10 @@ def test_unbiased_with_predicted_variance(directions, rank):
         expected,
         standard_error,
     )
-    # The bound is tight: for Gaussians it tells (D + 1) from D or D + 2 (1/16 apart);
-    # the other directions have heavier tails.
-    assert (
-        Z_BOUND * standard_error
-        < (0.05 if directions == "gaussian" else 0.1) * expected
-    )
+    # The bound is tight: for Gaussians it tells (D + 1) from D or D + 2, which are
+    # 1/(D + 1) apart; the other directions have heavier tails.
+    bound = 1 / (D + 1) if directions == "gaussian" else 0.1
+    assert Z_BOUND * standard_error < bound * expected
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,6 +220,43 @@ def test_no_fallback_for_a_linear_model():
             w, key(3)
         )
     assert isinstance(g, qt.LowRank) and g.rank == 2
+
+
+def test_which_leaves_get_which_directions():
+    params = {
+        "matrix": jnp.ones((16, 12)),
+        "stack": jnp.ones((3, 8, 6)),
+        "row": jnp.ones((1, 12)),  # rank-1 factors would be larger than the row
+        "vector": jnp.ones(12),
+        "scalar": jnp.ones(()),
+    }
+
+    def fn(p):
+        return sum(jnp.sum(leaf) for leaf in jtu.tree_leaves(p))
+
+    def kinds(**kwargs):
+        with qt.fallback("silent"):
+            shapes = jax.eval_shape(  # traces only: no compilation
+                lambda k: qt.forward_grad(fn, params, k, **kwargs), KEY
+            )
+        return {
+            name: (type(leaf).__name__, getattr(leaf, "rank", getattr(leaf, "k", None)))
+            for name, leaf in shapes.items()
+        }
+
+    assert kinds(rank=2) == {
+        "matrix": ("LowRank", 2),
+        "stack": ("LowRank", 2),
+        "row": ("ShapeDtypeStruct", None),
+        "vector": ("ShapeDtypeStruct", None),
+        "scalar": ("ShapeDtypeStruct", None),
+    }
+    sparse = kinds(directions="sparse", k=0.25)
+    assert sparse["matrix"] == ("Sparse", 48) and sparse["stack"] == ("Sparse", 36)
+    assert sparse["row"] == ("Sparse", 3) and sparse["vector"][0] == "ShapeDtypeStruct"
+    # An int count is capped at the leaf's size.
+    assert kinds(directions="sparse", k=100)["row"] == ("Sparse", 12)
+    assert set(kinds(directions="gaussian").values()) == {("ShapeDtypeStruct", None)}
 
 
 # ---------------------------------------------------------------------------------------

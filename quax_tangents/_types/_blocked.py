@@ -209,6 +209,10 @@ class BlockedArray(CompressedArray):
         """Blocks per batch element."""
         return self._payload.shape[-2]
 
+    @property
+    def batch_ndim(self) -> int:
+        return self._payload.ndim - 2
+
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(
             (*self._payload.shape[:-2], *self.event_shape), self.value_dtype

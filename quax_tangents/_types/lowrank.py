@@ -59,6 +59,10 @@ class LowRank(CompressedArray):
         """The number of columns of each factor."""
         return self.left.shape[-1]
 
+    @property
+    def batch_ndim(self) -> int:
+        return self.left.ndim - 2
+
     def aval(self) -> jax.core.ShapedArray:
         shape = self.left.shape[:-1] + self.right.shape[-2:-1]
         return jax.core.ShapedArray(shape, self.left.dtype)

@@ -170,6 +170,10 @@ class Sparse(CompressedArray):
         """Number of stored entries per batch element."""
         return self.indices.shape[-1]
 
+    @property
+    def batch_ndim(self) -> int:
+        return self.indices.ndim - 1
+
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(
             self.indices.shape[:-1] + self.event_shape, self.values.dtype
