@@ -5,9 +5,9 @@ Run it with
 
     python examples/data_parallel.py
 
-(a few minutes on two CPU cores; `--quick` runs a small network for a few steps). Each
-of the 8 devices holds a replica of the MLP and computes the gradient of its own slice
-of every batch; the gradients are combined across devices by one of:
+(five to ten minutes on two CPU cores; `--quick` runs a small network for a few
+steps). Each of the 8 devices holds a replica of the MLP and computes the gradient of
+its own slice of every batch; the gradients are combined across devices by one of:
 
 - `dense`: a plain all-reduce (mean) of every gradient;
 - `powersgd-rK`: `quax_tangents.optax.powersgd(K)`, rank K with error feedback;
@@ -18,7 +18,8 @@ of every batch; the gradients are combined across devices by one of:
 each followed by Adam. Biases (1-D) are always averaged densely. For each method it
 reports the test accuracy, the bytes that one training step's collectives move (read
 from the compiled program) and the wall time, as a Markdown table and a PNG plot of
-accuracy against bytes (`--out`, default `data_parallel.md` and `data_parallel.png`).
+accuracy against bytes (`--out`, default `examples/results/data_parallel.md`, and the
+`.png` next to it).
 """
 
 # JAX reads XLA_FLAGS when it first starts its CPU backend, so the device count is
@@ -56,6 +57,7 @@ import quax_tangents.optax as qto
 
 AXIS = "data"
 DEVICES = 8
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "data_parallel.md"
 
 
 # ---------------------------------------------------------------------------------
@@ -110,10 +112,9 @@ def dense_mean() -> optax.GradientTransformation:
     )
 
 
-def methods(quick: bool) -> dict[str, Callable[[], optax.GradientTransformation]]:
+def methods() -> dict[str, Callable[[], optax.GradientTransformation]]:
     """The compared ways of combining gradients, each a factory of a transformation
     that must run inside `shard_map` over `AXIS`."""
-    del quick
     return {
         "dense": dense_mean,
         "powersgd-r1": lambda: qto.powersgd(1, axis_name=AXIS),
@@ -336,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=pathlib.Path("data_parallel.md"),
+        default=DEFAULT_OUT,
         help="Markdown table to write; the plot goes next to it as .png",
     )
     parser.add_argument(
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     config = config_from(args)
     mesh = make_mesh()
     data = load_data()
-    chosen = methods(args.quick)
+    chosen = methods()
     if args.methods is not None:
         names = args.methods.split(",")
         unknown = sorted(set(names) - set(chosen))
@@ -396,6 +397,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ]
     lines = table(results)
     print("\n".join(lines))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(header + lines) + "\n")
     plot(
         results, args.out.with_suffix(".png"), f"digits MLP {sizes}, {DEVICES} devices"
