@@ -415,7 +415,6 @@ def count_equations(jaxpr: Any) -> Counter:
 class TraceProfile:
     total: float  # seconds of the profiled trace
     rules: float  # seconds inside quax_tangents' dispatch rules and fallback
-    out_dtype: float  # seconds in the LowRank dot rule's dtype inference
     jit_quax: float  # seconds in quax's handling of `jax.jit` calls, rules included
     top: list[tuple[float, str, int]]  # (cumulative s, function, calls)
 
@@ -454,7 +453,6 @@ def trace_profile(variant: Variant, top: int = 10) -> TraceProfile:
     return TraceProfile(
         total=max(cumulative.values()),
         rules=sum(cumulative.get(key, 0.0) for key in rule_keys),
-        out_dtype=_named_time(cumulative, "_out_dtype"),
         jit_quax=_named_time(cumulative, "jit_quax"),
         top=rows[:top],
     )
@@ -970,11 +968,7 @@ def trace_explanation(results: list[WidthResult], found: list[Verdict]) -> list[
         f"The rest, from one profiled trace at width {r.problem.width} "
         f"({profile.total * 1e3:.0f} ms under cProfile, which inflates Python-heavy "
         f"code): {profile.rules * 1e3:.0f} ms ({profile.rules / profile.total:.0%}) "
-        "is inside quax_tangents' rules, and of that "
-        f"{profile.out_dtype * 1e3:.0f} ms ({profile.out_dtype / profile.total:.0%} "
-        "of the trace) is `lowrank._out_dtype`, which runs `jax.eval_shape` (a "
-        "whole extra trace of `dot_general`) on every dot only to learn the result "
-        "dtype. The other "
+        "is inside quax_tangents' rules. The other "
         f"{machinery * 1e3:.0f} ms ({machinery / profile.total:.0%}) is quax's and "
         "JAX's machinery. `@` is `jnp.matmul`, itself a `jax.jit`: plain `jax.jvp` "
         "stages JAX's cached JVP jaxpr of each such call in one step, while quax's "
@@ -1125,8 +1119,8 @@ def report(
         "the `mul` and `add` counts (JAX's rule is `(t + t*h) * (1 - h)`, so the "
         "LowRank tangent meets `mul` and then `add`; XLA merges the two identical "
         "materialisations, see the dot counts). From layer 2 on, the dense `dh @ W` "
-        "meets the LowRank `h @ (U V^T)` in `add_any`, which has no rule for dense + "
-        "LowRank and densifies once per layer. This is exactly the hand-written "
+        "meets the LowRank `h @ (U V^T)` in `add_any`, whose rule for dense + LowRank "
+        "gives a dense sum by design, counted once per layer. This is exactly the hand-written "
         "math; the saving is in `h @ dW`, done as `(h U) V^T`. The dense and "
         "hand-written variants hold no quax values, so nothing is counted for them.",
         "",

@@ -1114,9 +1114,10 @@ def apply_tangent_updates(model: Any, updates: Any) -> Any:
     ```
 
     optax maps over the Tangent's leaves, so its updates are a `Model.Tangent` too.
-    Compressed gradients are fine for transforms that only scale them (`sgd`);
-    transforms that square or divide leaves (`adam`) need dense ones (see
-    `quax_tangents.materialise`).
+    Materialise compressed gradients before `optimizer.update`
+    (`quax_tangents.materialise(grads)`): optax would otherwise map over a
+    compressed value's fields (scaling both factors of a `LowRank`, say), which is
+    wrong for every transform, `sgd` included.
 
     **Arguments:**
 

@@ -92,7 +92,7 @@ def low_rank(
 
     The result is exact when `rank` is at least the rank of `x`. Otherwise its
     Frobenius error is close to the optimal rank-`rank` error (the truncated SVD):
-    with the defaults, within 1.5x of it on the spectra in the tests, and closer with
+    with the defaults, within 1.1x of it on the spectra in the tests, and closer with
     more `iters`. Half-precision input is processed in float32.
 
     **Arguments:**
