@@ -308,13 +308,14 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in results:
+    for i, r in enumerate(results):
         ax.scatter(r.bytes_per_step, 100 * r.accuracy, s=40)
+        # Alternate labels above and below, so that neighbours do not overlap.
         ax.annotate(
             r.method,
             (r.bytes_per_step, 100 * r.accuracy),
             textcoords="offset points",
-            xytext=(5, 4),
+            xytext=(5, 5 if i % 2 == 0 else -12),
             fontsize=8,
         )
     ax.set_xscale("log")

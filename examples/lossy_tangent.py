@@ -81,7 +81,9 @@ def main() -> None:
     assert isinstance(tangent, Primal) and isinstance(tangent.x, qt.SignNorm)
     exact = jax.jvp(lambda u: jnp.sum(u, axis=0), (updates,), (directions,))[1]
     lossy_value = qt.materialise(tangent.x)
-    print(f"primal:   {type(primal).__name__}(x={primal.x.dtype}{list(primal.x.shape)})")
+    print(
+        f"primal:   {type(primal).__name__}(x={primal.x.dtype}{list(primal.x.shape)})"
+    )
     print(f"tangent:  {type(tangent).__name__}(x={type(tangent.x).__name__})")
     print(f"storage:  {tangent.x.nbytes} bytes vs {tangent.x.dense_nbytes} dense")
     print(

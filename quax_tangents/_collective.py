@@ -543,7 +543,7 @@ def collectives_in_hlo(hlo: str) -> list[Collective]:
 def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Collective]:
     """Lowers and compiles `fn(*args, **kwargs)` and lists its collectives with the
     bytes of their operands, read from the compiled HLO (after XLA's passes, so
-    combined or removed collectives show as they run).
+    combined, promoted or removed collectives show as they run).
 
     An instruction inside a loop (a `lax.scan` body) is listed once, not once per
     iteration: the list of a scan over training steps is that of one step.
@@ -551,8 +551,10 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     **Arguments:**
 
     - `fn`: a function, jitted or not (it is wrapped in `jax.jit` if it has no
-        `lower`), typically a `jax.shard_map` step; or an already compiled
-        `jax.stages.Compiled`, read as it is (then give no arguments).
+        `lower`), typically a `jax.shard_map` step. Or, given no arguments: a
+        `jax.stages.Compiled`, read as it is; or a `jax.stages.Lowered`, read before
+        XLA's optimisations, which shows what the program asks for (XLA's CPU compiler,
+        for one, promotes bfloat16 all-reduces to float32).
     - `*args`, `**kwargs`: example arguments (arrays, or `jax.ShapeDtypeStruct`s with
         their shardings).
 
@@ -561,10 +563,13 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     A list of [`quax_tangents.Collective`][], one per collective instruction, in the
     order of the HLO text.
     """
+    stages = (jax.stages.Compiled, jax.stages.Lowered)
+    if isinstance(fn, stages) and (args or kwargs):
+        raise TypeError("A lowered or compiled program takes no example arguments.")
     if isinstance(fn, jax.stages.Compiled):
-        if args or kwargs:
-            raise TypeError("A compiled program takes no example arguments.")
         return collectives_in_hlo(fn.as_text())
+    if isinstance(fn, jax.stages.Lowered):
+        return collectives_in_hlo(fn.compiler_ir("hlo").as_hlo_text())
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = lowerable.lower(*args, **kwargs).compile()
     return collectives_in_hlo(compiled.as_text())

@@ -497,6 +497,32 @@ def test_powersgd_round_bytes_are_analytic():
     assert all(c.kind == "all-reduce" for c in found)
 
 
+@needs_devices
+def test_collectives_of_a_lowered_program_show_what_it_asks_to_send():
+    """bfloat16 PowerSGD rounds send `r (m + n)` bfloat16 elements per matrix and
+    round; XLA's CPU compiler may run them in float32, which the compiled HLO shows."""
+    rank, m, n = 4, 64, 32
+
+    def body(left, right):
+        out = qt.all_reduce(qt.LowRank(left[0], right[0]), AXIS, qt.PowerSum(iters=2))
+        return out.left, out.right
+
+    left = split(np.ones((DEVICES, m, rank), jnp.bfloat16))
+    right = split(np.ones((DEVICES, n, rank), jnp.bfloat16))
+    lowered = on_mesh(body, P(AXIS), P()).lower(left, right)
+    program = qt.collectives(lowered)
+    compiled = qt.collectives(lowered.compile())
+    assert {s for c in program for s in c.operand_shapes} == {
+        f"bf16[{m},{rank}]",
+        f"bf16[{n},{rank}]",
+    }
+    assert sum(c.operand_bytes for c in program) == 2 * rank * (m + n) * 2
+    assert sum(c.operand_bytes for c in compiled) in (
+        2 * rank * (m + n) * 2,
+        2 * rank * (m + n) * 4,
+    )
+
+
 _HLO = """\
 HloModule jit_step, num_partitions=4
 
