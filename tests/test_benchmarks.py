@@ -35,3 +35,12 @@ def test_jvp_benchmark_quick(tmp_path):
     flops_rows = re.findall(r"\| tangent FLOPs vs analytic \(x off\) \|[^\n]*", text)
     assert len(flops_rows) == 3 and all(row.endswith("| met |") for row in flops_rows)
     assert "DIFFERENT matmuls" not in text
+
+
+def test_collective_benchmark_quick(tmp_path):
+    text = _run_quick("collective.py", tmp_path / "collective.md")
+    assert "collective.py --quick --out" in text and "| powersgd-r4 |" in text
+    assert (
+        "| bytes per matrix per round = r (m + n) itemsize | every all-reduce operand "
+        "as predicted (tables below) | met |"
+    ) in text
