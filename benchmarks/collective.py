@@ -31,6 +31,9 @@ import os
 import pathlib
 import sys
 
+# Before the sys.path fix below: it lives in this folder.
+from _report import load_line, machine_line, versions
+
 
 # Run as a script, this directory comes first on `sys.path`, and its `compression.py`
 # would shadow the standard library's `compression` package, which JAX imports: drop
@@ -51,7 +54,6 @@ import collections
 import dataclasses
 import importlib.metadata
 import importlib.util
-import platform
 import shlex
 import time
 
@@ -157,26 +159,11 @@ def single_matrix_bytes(
 
 
 def environment(load_at_start: tuple[float, ...]) -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = ", ".join(
-        f"{name} {importlib.metadata.version(name)}"
-        for name in ("jax", "jaxlib", "quax", "optax", "quax-tangents")
-    )
     return [
-        f"- versions: {versions}, python {platform.python_version()}",
+        "- versions: " + versions("jax", "jaxlib", "quax", "optax", "quax-tangents"),
         f"- backend: {jax.default_backend()}, {len(jax.devices())} host devices",
-        f"- nproc: {len(os.sched_getaffinity(0))}; CPU: {cpu}",
-        "- load average (1, 5, 15 min) at start / end: "
-        + ", ".join(f"{x:.2f}" for x in load_at_start)
-        + " / "
-        + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        machine_line(),
+        load_line(load_at_start),
     ]
 
 

@@ -20,6 +20,9 @@ compressors' docstrings state.
 import pathlib
 import sys
 
+# Before the sys.path fix below: it lives in this folder.
+from _report import cpu_model
+
 
 # This file shares its name with the standard library's `compression` package (Python
 # 3.14), which JAX tries to import. Run as a script, this directory comes first on
@@ -397,14 +400,6 @@ def lapack_threads(x, repeats: int) -> list[dict]:
 
 
 def _machine() -> dict:
-    model = "unknown"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     blas = [
         f"{i['internal_api']} {i['version']} ({i['num_threads']} threads, "
         f"{pathlib.Path(i['filepath']).name})"
@@ -413,7 +408,7 @@ def _machine() -> dict:
     ]
     return dict(
         nproc=len(os.sched_getaffinity(0)),
-        cpu=model,
+        cpu=cpu_model(),
         platform=platform.platform(),
         python=platform.python_version(),
         blas="; ".join(blas) or "none loaded",

@@ -20,6 +20,9 @@ The results go to benchmarks/results/jvp.md, or to `--out`.
 import pathlib
 import sys
 
+# Before the sys.path fix below: it lives in this folder.
+from _report import load_line, machine_line, versions
+
 
 # Run as a script, this folder comes first on `sys.path`, and a sibling benchmark
 # named like a module JAX imports shadows it: `compression.py` hides the standard
@@ -34,9 +37,7 @@ if (
 import argparse
 import cProfile
 import dataclasses
-import importlib.metadata
 import os
-import platform
 import pstats
 import re
 import shlex
@@ -980,26 +981,11 @@ def trace_explanation(results: list[WidthResult], found: list[Verdict]) -> list[
 
 
 def environment(load_at_start: tuple[float, ...]) -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = ", ".join(
-        f"{name} {importlib.metadata.version(name)}"
-        for name in ("jax", "jaxlib", "quax", "quax-tangents")
-    )
     return [
-        f"- versions: {versions}, python {platform.python_version()}",
+        "- versions: " + versions("jax", "jaxlib", "quax", "quax-tangents"),
         f"- backend: {jax.default_backend()} ({jax.devices()[0].device_kind})",
-        f"- nproc: {len(os.sched_getaffinity(0))}; CPU: {cpu}",
-        "- load average (1, 5, 15 min) at start / end: "
-        + ", ".join(f"{x:.2f}" for x in load_at_start)
-        + " / "
-        + ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+        machine_line(),
+        load_line(load_at_start),
     ]
 
 

@@ -25,6 +25,9 @@ The results go to benchmarks/results/memory.md, or to `--out`.
 import pathlib
 import sys
 
+# Before the sys.path fix below: it lives in this folder.
+from _report import machine_line, versions
+
 
 # Run as a script, this folder comes first on `sys.path`, and a sibling benchmark
 # named like a module JAX imports shadows it: `compression.py` hides the standard
@@ -38,9 +41,6 @@ if (
 
 import argparse
 import dataclasses
-import importlib.metadata
-import os
-import platform
 import shlex
 import time
 from collections.abc import Callable
@@ -399,22 +399,10 @@ def explanation(results: list[Measured], config: Config) -> list[str]:
 
 
 def environment() -> list[str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = ", ".join(
-        f"{name} {importlib.metadata.version(name)}"
-        for name in ("jax", "jaxlib", "quax", "quax-tangents")
-    )
     return [
-        f"- versions: {versions}, python {platform.python_version()}",
+        "- versions: " + versions("jax", "jaxlib", "quax", "quax-tangents"),
         f"- backend: {jax.default_backend()} ({jax.devices()[0].device_kind})",
-        f"- nproc: {len(os.sched_getaffinity(0))}; CPU: {cpu}",
+        machine_line(),
     ]
 
 
