@@ -15,14 +15,12 @@ from ._ad import (
 )
 from ._base import CompressedArray as CompressedArray
 from ._collective import (
-    Collective as Collective,
     GatherSum as GatherSum,
     MajorityVote as MajorityVote,
     PowerSum as PowerSum,
     all_reduce as all_reduce,
-    collectives as collectives,
-    device_varying as device_varying,
 )
+from ._devices import device_varying as device_varying
 from ._differentiable import (
     Differentiable as Differentiable,
     NoDerivative as NoDerivative,
@@ -49,6 +47,7 @@ from ._forward import (
     ForwardGradInfo as ForwardGradInfo,
     forward_grad as forward_grad,
 )
+from ._hlo import Collective as Collective, collectives as collectives
 from ._primitives import compress as compress, materialise as materialise
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize

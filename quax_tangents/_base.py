@@ -2,7 +2,8 @@
 
 import abc
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -10,20 +11,38 @@ import jax.extend.core as jexc
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 from quax.examples.zero import Zero
 
+from ._devices import dense_all_reduce
 from ._fallback import record_densification
 from ._lax import add_any_p
 from ._registry import rule
 
 
 class CompressedArray(quax.ArrayValue):
-    """Abstract base of every compressed representation.
+    """Abstract base of every compressed representation, and the protocol each one
+    implements.
 
     A subclass stores a smaller (possibly lossy) structure and presents itself to JAX
-    as a dense array of `aval()`'s shape and dtype. Subclasses implement `aval` and
-    `materialise`; storage accounting and the fallback rule are shared.
+    as a dense array of `aval()`'s shape and dtype. Only `aval` and `materialise` are
+    required. Every other method of the protocol has a default that is correct for
+    any subclass (it densifies, counted through the fallback policy); a type
+    overrides one where it has a cheaper exact form:
+
+    - `aval()`, `materialise()`: the dense array's shape and dtype, and its values.
+    - `nbytes`, `dense_nbytes`, `compression_ratio`, `batch_ndim`: storage.
+    - `join_branches(values)`: one structure for values of this type that differ in
+        field shapes (the branches of one `lax.cond` output).
+    - `fit_carry(like)`: a loop body's output carry brought back to the structure of
+        the carry that entered the body (`lax.scan`, `lax.while_loop`).
+    - `all_reduce(axis_name, mean=)`: the exact sum (or mean) over devices inside
+        `shard_map`, moving only compressed fields where the type can.
+    - `inner(other)`: `sum(conj(self) * other)`.
+
+    Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,
+    `t.T`, `t[0]`), which run through the type's rules as inside
+    `quax.quaxify`.
     """
 
     @abc.abstractmethod
@@ -31,6 +50,8 @@ class CompressedArray(quax.ArrayValue):
 
     @abc.abstractmethod
     def materialise(self) -> Array: ...
+
+    # -- storage ---------------------------------------------------------------------
 
     @property
     def batch_ndim(self) -> int:
@@ -40,7 +61,8 @@ class CompressedArray(quax.ArrayValue):
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually stored: the sum over the array fields."""
+        """Bytes actually stored: the sum over the array fields. Works on shape-only
+        values too (fields that are `jax.ShapeDtypeStruct`s, from `jax.eval_shape`)."""
         return sum(
             math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
             for leaf in jtu.tree_leaves(self)
@@ -57,11 +79,182 @@ class CompressedArray(quax.ArrayValue):
         """`dense_nbytes / nbytes`: how many times smaller than dense."""
         return self.dense_nbytes / max(self.nbytes, 1)
 
+    # -- control flow ----------------------------------------------------------------
+
+    @classmethod
+    def join_branches(
+        cls, values: Sequence["CompressedArray"]
+    ) -> "Callable[[CompressedArray], CompressedArray] | None":
+        """How values of this type whose fields differ in shape (the branches of one
+        `lax.cond` output) are brought to one structure.
+
+        **Arguments:**
+
+        - `values`: one value per branch, each an instance of `cls`. They may be
+            shape-only (fields are `jax.ShapeDtypeStruct`s): read shapes, not data.
+
+        **Returns:**
+
+        A function applied to each branch's value that returns the common structure
+        without changing the array it represents, or `None` when there is none: the
+        branches are then densified, counted.
+        """
+        del values
+        return None
+
+    def fit_carry(self, like: "CompressedArray") -> "CompressedArray | None":
+        """This value, a loop body's output carry, brought back to the structure of
+        `like`, the carry that entered the body.
+
+        **Arguments:**
+
+        - `like`: the input carry, of the same type; possibly shape-only.
+
+        **Returns:**
+
+        A value with `like`'s field shapes, or `None` when no compressed form fits:
+        the loop then runs with a dense carry, counted. A type may raise a
+        `TypeError` instead, saying how to make the carry fit.
+        """
+        del like
+        return None
+
+    # -- collectives -----------------------------------------------------------------
+
+    def all_reduce(self, axis_name: Any, *, mean: bool = False) -> Any:
+        """The exact sum over devices along `axis_name`, inside `shard_map`.
+
+        The default materialises (counted) and runs a dense `psum`; types override
+        it to move only their compressed fields. Called by
+        [`quax_tangents.all_reduce`][] with `GatherSum()`.
+
+        **Arguments:**
+
+        - `axis_name`: a mesh axis name, or a tuple of them.
+        - `mean`: divide by the number of devices.
+
+        **Returns:**
+
+        The sum, identical (invariant) on every device: a compressed value or a
+        dense array.
+        """
+        record_densification(
+            "all_reduce", (type(self).__name__,), "no compressed all-reduce"
+        )
+        return dense_all_reduce(self.materialise(), axis_name, mean=mean)
+
+    # -- linear algebra --------------------------------------------------------------
+
+    def inner(self, other: "ArrayLike | CompressedArray") -> Array:
+        """The inner product `sum(conj(self) * other)`, a scalar.
+
+        The default runs the product and the sum through the rules of the operands'
+        types (counting any densification); types override it with a cheaper exact
+        form.
+
+        **Arguments:**
+
+        - `other`: a dense array or a compressed value of the same shape.
+
+        **Returns:**
+
+        A 0-d array of the promoted dtype.
+        """
+        _check_same_shape("inner", self, other)
+        return quax.quaxify(_conj_dot)(self, other)
+
+    # -- Python operators ------------------------------------------------------------
+
+    # numpy defers to our reflected operators instead of making an object array.
+    __array_ufunc__ = None
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"A {type(self).__name__} is not converted to a NumPy array implicitly; "
+            "call `quax_tangents.materialise(value)` for its dense array."
+        )
+
+    def __neg__(self) -> Any:
+        return _apply(operator.neg, self)
+
+    def __pos__(self) -> Any:
+        return self
+
+    def __add__(self, other: Any) -> Any:
+        return _apply(operator.add, self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        return _apply(operator.add, other, self)
+
+    def __sub__(self, other: Any) -> Any:
+        return _apply(operator.sub, self, other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return _apply(operator.sub, other, self)
+
+    def __mul__(self, other: Any) -> Any:
+        return _apply(operator.mul, self, other)
+
+    def __rmul__(self, other: Any) -> Any:
+        return _apply(operator.mul, other, self)
+
+    def __truediv__(self, other: Any) -> Any:
+        return _apply(operator.truediv, self, other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return _apply(operator.truediv, other, self)
+
+    def __pow__(self, other: Any) -> Any:
+        return _apply(operator.pow, self, other)
+
+    def __matmul__(self, other: Any) -> Any:
+        return _apply(operator.matmul, self, other)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return _apply(operator.matmul, other, self)
+
+    def __getitem__(self, index: Any) -> Any:
+        return _apply(lambda x: x[index], self)
+
+    @property
+    def T(self) -> Any:
+        return _apply(lambda x: x.T, self)
+
+    @property
+    def mT(self) -> Any:
+        return _apply(lambda x: x.mT, self)
+
+    def sum(self, axis: Any = None) -> Any:
+        return _apply(lambda x: jnp.sum(x, axis=axis), self)
+
+    def astype(self, dtype: Any) -> Any:
+        return _apply(lambda x: x.astype(dtype), self)
+
+    def reshape(self, *shape: Any) -> Any:
+        return _apply(lambda x: x.reshape(*shape), self)
+
     @staticmethod
     def default(
         primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
     ) -> Any:
         return densify(primitive, values, params, reason="no rule for these operands")
+
+
+def _conj_dot(x: Any, y: Any) -> Any:
+    return jnp.sum(jnp.conj(x) * y)
+
+
+def _apply(fn: Callable[..., Any], *operands: Any) -> Any:
+    """`fn(*operands)` with compressed operands dispatched through their rules."""
+    return quax.quaxify(fn)(*operands)
+
+
+def _check_same_shape(name: str, x: CompressedArray, other: Any) -> None:
+    if jnp.shape(other) != x.shape:
+        raise ValueError(
+            f"`{name}` needs operands of one shape, got {type(x).__name__} "
+            f"{list(x.shape)} and {list(jnp.shape(other))}."
+        )
 
 
 def densify(

@@ -1,5 +1,4 @@
-"""Sums of compressed values across devices, moving only the compressed fields, and a
-reader of the bytes that a compiled program's collectives move.
+"""Sums of compressed values across devices, moving only the compressed fields.
 
 Everything here runs inside the body of `jax.shard_map` (or anything else that binds a
 named axis), on concrete compressed values whose fields are traced arrays: no quax
@@ -12,27 +11,24 @@ point elsewhere; summed int8 codes wrap). JAX flattens pytrees before any type c
 object, so this cannot be made to raise; `all_reduce` is the path to use.
 """
 
-import dataclasses
-import math
-import re
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax import lax
 from jaxtyping import Array, Float, PyTree
 
 from ._base import CompressedArray
+from ._devices import (
+    AxisName,
+    axis_size,
+    dense_all_reduce,
+    gather,
+)
 from ._types.lowrank import LowRank
-from ._types.quantized import Quantized
 from ._types.signnorm import SignNorm
-from ._types.sparse import Sparse
-
-
-AxisName = Hashable | tuple[Hashable, ...]
 
 
 # ---------------------------------------------------------------------------------------
@@ -40,7 +36,8 @@ AxisName = Hashable | tuple[Hashable, ...]
 
 
 class GatherSum(eqx.Module):
-    """The exact sum, by an all-gather of every compressed field.
+    """The exact sum, by each type's own `CompressedArray.all_reduce`: for the
+    library's types an all-gather of every compressed field.
 
     Each device sends its own fields once, so the bytes sent per device are the
     compressed bytes, whatever the number of devices. Results:
@@ -50,7 +47,12 @@ class GatherSum(eqx.Module):
     - `Sparse`: a `Sparse` holding every device's entries (`devices * k`).
     - `Quantized`, `SignNorm`: a dense array, every device's value decoded and summed
         in float32, then cast to the value's dtype.
+    - Any other `CompressedArray` subclass: its own `all_reduce`; by default the
+        materialised value (counted as a densification) summed with `lax.psum`.
     """
+
+    def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> Any:
+        return x.all_reduce(axis_name, mean=mean)
 
 
 class PowerSum(eqx.Module):
@@ -81,6 +83,24 @@ class PowerSum(eqx.Module):
         if self.iters < 1:
             raise ValueError(f"`iters` must be at least 1, got {self.iters}.")
 
+    def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> LowRank:
+        _check_method_type(self, x, LowRank)
+        work = jnp.promote_types(x.dtype, jnp.float32)
+        left, right = x.left.astype(work), x.right.astype(work)
+        *batch, n, r = right.shape
+        q = start_q(jax.random.key(self.seed), (*batch, n, r), work)
+        p, q = power_rounds(
+            lambda q: left @ _matmul_t(right, q),
+            lambda p: right @ _matmul_t(left, p),
+            q,
+            self.iters,
+            # Computed in float32, sent in the value's own dtype.
+            lambda a: dense_all_reduce(a.astype(x.dtype), axis_name, mean=mean).astype(
+                work
+            ),
+        )
+        return LowRank(p.astype(x.dtype), q.astype(x.dtype))
+
 
 class MajorityVote(eqx.Module):
     """signSGD with majority vote (Bernstein et al., 2018) for `SignNorm` values.
@@ -92,76 +112,26 @@ class MajorityVote(eqx.Module):
     agree on every sign and have equal magnitudes, and is a biased estimate otherwise.
     """
 
+    def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> SignNorm:
+        _check_method_type(self, x, SignNorm)
+        gathered = x._with_blocks(gather(x.bits, axis_name), gather(x.norms, axis_name))
+        votes = jnp.sum(gathered.signs(), axis=0)
+        bits = jnp.packbits(votes >= 0, axis=-1, bitorder="little")
+        norms = jnp.sum(gathered.norms, axis=0)
+        if mean:
+            norms = norms / axis_size(axis_name)
+        return x._with_blocks(bits, norms)
+
 
 Method = GatherSum | PowerSum | MajorityVote
 
 
-# ---------------------------------------------------------------------------------------
-# Axis helpers
-
-
-def _axes(axis_name: AxisName) -> tuple[Hashable, ...]:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def axis_is_bound(axis_name: AxisName) -> bool:
-    """Whether every named axis is bound here (inside `shard_map`, `vmap` etc.)."""
-    try:
-        for axis in _axes(axis_name):
-            lax.axis_size(axis)
-    except NameError:
-        return False
-    return True
-
-
-def _vary_leaf(x: Any, axes: tuple[Hashable, ...]) -> Any:
-    x = jnp.asarray(x)
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def device_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
-    """Marks every array of `tree` as varying over `axis_name` (`lax.pcast(...,
-    to="varying")`, that is `pvary`), leaving arrays that already vary unchanged.
-
-    Differentiate with respect to `device_varying(params, axis_name)` inside a
-    `shard_map` body to get each device's own gradient of a replicated weight. Without
-    it, JAX's AD inserts a dense all-reduce of the weight's gradient (the transpose of
-    the implicit `pvary` of the weight) before any compressor sees the gradient. With
-    `check_vma=False` nothing is typed and this returns `tree` unchanged.
-
-    **Arguments:**
-
-    - `tree`: a pytree of arrays or compressed values.
-    - `axis_name`: a mesh axis name, or a tuple of them.
-
-    **Returns:**
-
-    The same values, typed as varying over `axis_name`.
-    """
-    axes = _axes(axis_name)
-    return jtu.tree_map(lambda x: _vary_leaf(x, axes), tree)
-
-
-def axis_size(axis_name: AxisName) -> int:
-    """The number of devices along `axis_name` (the product for a tuple of axes)."""
-    return math.prod(lax.axis_size(a) for a in _axes(axis_name))
-
-
-def _gather(x: Array, axis_name: AxisName) -> Array:
-    """Every device's `x`, stacked on a new leading axis, identical on every device.
-
-    The input is made varying first, so that an input that is already replicated is
-    gathered rather than rejected under `check_vma=True`.
-    """
-    return lax.all_gather(
-        _vary_leaf(x, _axes(axis_name)), axis_name, axis=0, to="invarying"
-    )
-
-
-def _reduce(x: Array, axis_name: AxisName, mean: bool) -> Array:
-    x = _vary_leaf(x, _axes(axis_name))
-    return lax.pmean(x, axis_name) if mean else lax.psum(x, axis_name)
+def _check_method_type(method: eqx.Module, x: CompressedArray, cls: type) -> None:
+    if not isinstance(x, cls):
+        raise TypeError(
+            f"`{type(method).__name__}` reduces {cls.__name__} values (and dense "
+            f"arrays), not a {type(x).__name__}; use `GatherSum()` for an exact sum."
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,124 +209,14 @@ def _matmul_t(a: Array, b: Array) -> Array:
     return jnp.einsum("...mn,...mk->...nk", a, b)
 
 
-def _power_sum(x: LowRank, axis_name: AxisName, method: PowerSum, mean: bool):
-    work = jnp.promote_types(x.dtype, jnp.float32)
-    left, right = x.left.astype(work), x.right.astype(work)
-    *batch, n, r = right.shape
-    q = start_q(jax.random.key(method.seed), (*batch, n, r), work)
-    p, q = power_rounds(
-        lambda q: left @ _matmul_t(right, q),
-        lambda p: right @ _matmul_t(left, p),
-        q,
-        method.iters,
-        # Computed in float32, sent in the value's own dtype.
-        lambda a: _reduce(a.astype(x.dtype), axis_name, mean).astype(work),
-    )
-    return LowRank(p.astype(x.dtype), q.astype(x.dtype))
-
-
-# ---------------------------------------------------------------------------------------
-# Exact sums by all-gather
-
-
-def _devices_to_axis(gathered: Array, axis: int) -> Array:
-    """Moves the leading device axis next to `axis` of the original and merges them."""
-    moved = jnp.moveaxis(gathered, 0, axis - 1 if axis < 0 else axis)
-    shape = list(gathered.shape[1:])
-    shape[axis] *= gathered.shape[0]
-    return moved.reshape(shape)
-
-
-def _gather_lowrank(x: LowRank, axis_name: AxisName, mean: bool) -> LowRank:
-    left = _devices_to_axis(_gather(x.left, axis_name), -1)
-    right = _devices_to_axis(_gather(x.right, axis_name), -1)
-    if mean:
-        left = left / jnp.asarray(axis_size(axis_name), left.dtype)
-    return LowRank(left, right)
-
-
-def _gather_sparse(x: Sparse, axis_name: AxisName, mean: bool) -> Sparse:
-    indices = _devices_to_axis(_gather(x.indices, axis_name), -1)
-    values = _devices_to_axis(_gather(x.values, axis_name), -1)
-    if mean:
-        values = values / jnp.asarray(axis_size(axis_name), values.dtype)
-    return Sparse(indices, values, x.shape)
-
-
-def _gathered_quantized(x: Quantized, axis_name: AxisName) -> Quantized:
-    return Quantized(
-        _gather(x.codes, axis_name),
-        _gather(x.scales, axis_name),
-        event_shape=x.event_shape,
-        bits=x.bits,
-        block_size=x.block_size,
-        dtype=jnp.float32,
-    )
-
-
-def _gathered_signnorm(x: SignNorm, axis_name: AxisName) -> SignNorm:
-    return SignNorm(
-        _gather(x.bits, axis_name),
-        _gather(x.norms, axis_name),
-        event_shape=x.event_shape,
-        block_size=x.block_size,
-        dtype=jnp.float32,
-    )
-
-
-def _decoded_sum(
-    gathered: CompressedArray, dtype: Any, axis_name: AxisName, mean: bool
-) -> Array:
-    # Decoded and summed in float32 whatever the value's dtype: a half-precision sum
-    # over many devices would lose the small terms.
-    total = jnp.sum(gathered.materialise(), axis=0)
-    if mean:
-        total = total / axis_size(axis_name)
-    return total.astype(dtype)
-
-
-def _majority_vote(x: SignNorm, axis_name: AxisName, mean: bool) -> SignNorm:
-    gathered = _gathered_signnorm(x, axis_name)
-    votes = jnp.sum(gathered.signs(), axis=0)
-    bits = jnp.packbits(votes >= 0, axis=-1, bitorder="little")
-    norms = jnp.sum(gathered.norms, axis=0)
-    if mean:
-        norms = norms / axis_size(axis_name)
-    return SignNorm(
-        bits, norms, event_shape=x.event_shape, block_size=x.block_size, dtype=x.dtype
-    )
-
-
 # ---------------------------------------------------------------------------------------
 # all_reduce
 
 
 def _reduce_leaf(x: Any, axis_name: AxisName, method: Method, mean: bool) -> Any:
-    if not isinstance(x, CompressedArray):
-        return _reduce(x, axis_name, mean)
-    if isinstance(method, PowerSum):
-        if not isinstance(x, LowRank):
-            raise TypeError(
-                f"`PowerSum` reduces LowRank values (and dense arrays), not a "
-                f"{type(x).__name__}; use `GatherSum()` for an exact sum."
-            )
-        return _power_sum(x, axis_name, method, mean)
-    if isinstance(method, MajorityVote):
-        if not isinstance(x, SignNorm):
-            raise TypeError(
-                f"`MajorityVote` reduces SignNorm values (and dense arrays), not a "
-                f"{type(x).__name__}; use `GatherSum()` for an exact sum."
-            )
-        return _majority_vote(x, axis_name, mean)
-    if isinstance(x, LowRank):
-        return _gather_lowrank(x, axis_name, mean)
-    if isinstance(x, Sparse):
-        return _gather_sparse(x, axis_name, mean)
-    if isinstance(x, Quantized):
-        return _decoded_sum(_gathered_quantized(x, axis_name), x.dtype, axis_name, mean)
-    if isinstance(x, SignNorm):
-        return _decoded_sum(_gathered_signnorm(x, axis_name), x.dtype, axis_name, mean)
-    raise TypeError(f"No all-reduce for {type(x).__name__}.")
+    if isinstance(x, CompressedArray):
+        return method.reduce(x, axis_name, mean)
+    return dense_all_reduce(x, axis_name, mean=mean)
 
 
 def all_reduce(
@@ -374,9 +234,9 @@ def all_reduce(
     `quax_tangents.low_rank`. Dense arrays are summed with `lax.psum`. Compressed
     values are summed as `method` says:
 
-    - [`quax_tangents.GatherSum`][] (the default, `None`): exact, by all-gathering the
-        fields; LowRank and Sparse results stay compressed, Quantized and SignNorm
-        results are dense sums computed in float32.
+    - [`quax_tangents.GatherSum`][] (the default, `None`): exact, by each type's
+        `all_reduce` (all-gathering the fields); LowRank and Sparse results stay
+        compressed, Quantized and SignNorm results are dense sums computed in float32.
     - [`quax_tangents.PowerSum`][]: LowRank only; PowerSGD rounds, approximate,
         `r * (m + n)` elements per matrix per round.
     - [`quax_tangents.MajorityVote`][]: SignNorm only; a SignNorm of the majority signs.
@@ -403,173 +263,13 @@ def all_reduce(
     A pytree of the same structure, identical (invariant) on every device.
     """
     method = GatherSum() if method is None else method
-    if not isinstance(method, (GatherSum, PowerSum, MajorityVote)):
+    if not callable(getattr(method, "reduce", None)):
         raise TypeError(
-            "`method` must be `GatherSum()`, `PowerSum(...)` or `MajorityVote()`, got "
-            f"{method!r}."
+            "`method` must be `GatherSum()`, `PowerSum(...)` or `MajorityVote()` (or "
+            f"an object with a `reduce(x, axis_name, mean)` method), got {method!r}."
         )
     return jtu.tree_map(
         lambda x: _reduce_leaf(x, axis_name, method, mean),
         tree,
         is_leaf=lambda x: isinstance(x, CompressedArray),
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Bytes on the wire
-
-
-_COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-)
-
-_ITEMSIZE = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_COMMENT = re.compile(r"/\*.*?\*/")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of a compiled program, as `collectives` reads it.
-
-    - `kind`: the HLO opcode without an async `-start` suffix, e.g. `"all-reduce"`.
-    - `name`: the instruction's name in the HLO module.
-    - `operand_shapes`: the HLO shapes of its operands, e.g. `("f32[64,4]",)`.
-    - `operand_bytes`: the bytes of its operands on one device: what that device puts
-        on the wire (an all-gather receives this from every other device; a ring
-        all-reduce sends and receives about twice it).
-    """
-
-    kind: str
-    name: str
-    operand_shapes: tuple[str, ...]
-    operand_bytes: int
-
-
-def shape_bytes(shape: str) -> int:
-    """The bytes of an HLO shape such as `f32[64,4]{1,0}` or a tuple of them."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        if dtype not in _ITEMSIZE:
-            raise ValueError(f"Unknown HLO element type {dtype!r} in {shape!r}.")
-        size = math.prod(int(d) for d in dims.split(",") if d)
-        total += size * _ITEMSIZE[dtype]
-    return total
-
-
-def _split_shape(rhs: str) -> tuple[str, str]:
-    """Splits `"<shape> <opcode>(...)..."` after the shape, which may be a tuple."""
-    if rhs.startswith("("):
-        depth = 0
-        for i, char in enumerate(rhs):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                return rhs[: i + 1], rhs[i + 1 :].lstrip()
-    shape, _, rest = rhs.partition(" ")
-    return shape, rest
-
-
-def _operand_names(call: str) -> list[str]:
-    """The operand names of `"opcode(%a, %b), attrs"` (operands may carry shapes)."""
-    start = call.index("(") + 1
-    depth, end = 1, start
-    while depth:
-        depth += {"(": 1, ")": -1}.get(call[end], 0)
-        end += 1
-    inside = call[start : end - 1]
-    return [token.split()[-1].lstrip("%") for token in inside.split(", ") if token]
-
-
-def _strip_layout(shape: str) -> str:
-    return re.sub(r"\{[^}]*\}", "", shape)
-
-
-def collectives_in_hlo(hlo: str) -> list[Collective]:
-    """Every collective instruction of an HLO module's text (`compiled.as_text()`),
-    in order, with its operands' shapes looked up from their definitions.
-
-    An instruction inside a loop body is listed once, not once per iteration.
-    """
-    shapes: dict[str, str] = {}
-    calls: list[tuple[str, str, str]] = []
-    for line in hlo.splitlines():
-        # Long operand lists carry comments such as `/*index=5*/`.
-        line = _COMMENT.sub("", line)
-        match = _INSTRUCTION.match(line)
-        if match is None or line.lstrip().startswith(("HloModule", "ENTRY")):
-            continue
-        name, rhs = match.groups()
-        shape, call = _split_shape(rhs.strip())
-        shapes[name] = shape
-        opcode = call.split("(", 1)[0].strip()
-        kind = opcode.removesuffix("-start")
-        if kind in _COLLECTIVES and "(" in call:
-            calls.append((kind, name, call))
-    found = []
-    for kind, name, call in calls:
-        operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
-        found.append(
-            Collective(kind, name, operands, sum(shape_bytes(s) for s in operands))
-        )
-    return found
-
-
-def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Collective]:
-    """Lowers and compiles `fn(*args, **kwargs)` and lists its collectives with the
-    bytes of their operands, read from the compiled HLO (after XLA's passes, so
-    combined, promoted or removed collectives show as they run).
-
-    An instruction inside a loop (a `lax.scan` body) is listed once, not once per
-    iteration: the list of a scan over training steps is that of one step.
-
-    **Arguments:**
-
-    - `fn`: a function, jitted or not (it is wrapped in `jax.jit` if it has no
-        `lower`), typically a `jax.shard_map` step. Or, given no arguments: a
-        `jax.stages.Compiled`, read as it is; or a `jax.stages.Lowered`, read before
-        XLA's optimisations, which shows what the program asks for (XLA's CPU compiler,
-        for one, promotes bfloat16 all-reduces to float32).
-    - `*args`, `**kwargs`: example arguments (arrays, or `jax.ShapeDtypeStruct`s with
-        their shardings).
-
-    **Returns:**
-
-    A list of [`quax_tangents.Collective`][], one per collective instruction, in the
-    order of the HLO text.
-    """
-    stages = (jax.stages.Compiled, jax.stages.Lowered)
-    if isinstance(fn, stages) and (args or kwargs):
-        raise TypeError("A lowered or compiled program takes no example arguments.")
-    if isinstance(fn, jax.stages.Compiled):
-        return collectives_in_hlo(fn.as_text())
-    if isinstance(fn, jax.stages.Lowered):
-        return collectives_in_hlo(fn.compiler_ir("hlo").as_hlo_text())
-    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
-    compiled = lowerable.lower(*args, **kwargs).compile()
-    return collectives_in_hlo(compiled.as_text())

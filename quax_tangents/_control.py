@@ -28,15 +28,9 @@ from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
 
 from ._base import CompressedArray
-from ._fallback import (
-    budget_settings,
-    dry_run,
-    record_budget_event,
-    record_densification,
-)
+from ._fallback import dry_run, record_densification
 from ._primitives import compress_p, outer_p
 from ._registry import rule
-from ._types.lowrank import LowRank, truncate
 
 
 _CONSTRUCTION = (compress_p, outer_p)
@@ -129,34 +123,27 @@ def _leaf_kind(x: Any) -> Any:
     return treedef, tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
 
 
-def _pad_rank(x: LowRank, rank: int) -> LowRank:
-    extra = rank - x.rank
-    if extra == 0:
-        return x
-    pad = [(0, 0)] * (x.left.ndim - 1) + [(0, extra)]
-    return LowRank(jnp.pad(x.left, pad), jnp.pad(x.right, pad))
+def _densify_for(primitive: str, reason: str) -> Callable[[Any], Any]:
+    def densify(x: Any) -> Any:
+        if isinstance(x, CompressedArray):
+            record_densification(primitive, (type(x).__name__,), reason)
+        return x.materialise() if _is_value(x) else x
+
+    return densify
 
 
 def _join_plan(candidates: Sequence[Any], primitive: str) -> Callable[[Any], Any]:
-    """How to bring one output position of several branches to a common type:
-    nothing, zero-padding LowRank factors to the largest rank, or densifying."""
+    """How to bring one output position of several branches to a common structure:
+    nothing, the type's own `join_branches`, or densifying (counted)."""
     kinds = {_leaf_kind(c) for c in candidates}
     if len(kinds) == 1:
         return lambda x: x
-    if all(isinstance(c, LowRank) for c in candidates):
-        rank = max(c.rank for c in candidates)
-        return lambda x: _pad_rank(x, rank)
-    names = tuple(sorted({type(c).__name__ for c in candidates if _is_value(c)}))
-
-    def densify(x: Any) -> Any:
-        if isinstance(x, CompressedArray):
-            record_densification(
-                primitive, (type(x).__name__,), "branches return different types"
-            )
-        return x.materialise() if _is_value(x) else x
-
-    del names
-    return densify
+    types = {type(c) for c in candidates}
+    if len(types) == 1 and issubclass(cls := types.pop(), CompressedArray):
+        join = cls.join_branches(candidates)
+        if join is not None:
+            return join
+    return _densify_for(primitive, "branches return different types or sizes")
 
 
 def _joined(fn: Callable, plans: Sequence[Callable]) -> Callable:
@@ -204,30 +191,31 @@ def _cond(
 # Loops: scan and while
 
 
+def _fit_carry(primitive: str, index: int, before: Any, after: Any) -> Any:
+    try:
+        return after.fit_carry(before)
+    except TypeError as error:
+        raise TypeError(
+            f"`lax.{primitive}` carry {index} does not fit: {error}"
+        ) from None
+
+
 def _carry_plan(
     primitive: str, index: int, before: Any, after: Any
 ) -> Callable[[Any], Any] | None:
-    """How the body's output carry is brought back to the input carry's type, or
-    None when the input carry must be densified first."""
+    """How the body's output carry is brought back to the input carry's structure
+    (the type's own `fit_carry`), or None when the input carry must be densified
+    first."""
     if _leaf_kind(before) == _leaf_kind(after):
         return lambda x: x
-    if isinstance(before, LowRank) and isinstance(after, LowRank):
-        action, _ = budget_settings()
-        if action == "recompress":
-            rank = before.rank
-
-            def recompress(x: LowRank) -> LowRank:
-                record_budget_event(primitive, "recompress")
-                return LowRank(*truncate(x.left, x.right, rank))
-
-            return recompress
-        raise TypeError(
-            f"`lax.{primitive}` carry {index} enters the body as a LowRank of rank "
-            f"{before.rank} and leaves it with rank {after.rank}, so its rank would "
-            "grow every step. Truncate it back each step with "
-            "`quax_tangents.rank_budget('recompress')`, or materialise it before the "
-            "loop."
-        )
+    if type(before) is type(after) and isinstance(after, CompressedArray):
+        # Decided once from shapes; applied to the traced carry in every trace.
+        with dry_run():
+            fitted = jax.eval_shape(
+                lambda a: _fit_carry(primitive, index, before, a), after
+            )
+        if fitted is not None and _leaf_kind(fitted) == _leaf_kind(before):
+            return lambda x: _fit_carry(primitive, index, before, x)
     if _is_value(before):
         return None
     raise TypeError(

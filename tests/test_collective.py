@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from quax_tangents._collective import collectives_in_hlo, orthonormalise
+from quax_tangents._collective import orthonormalise
+from quax_tangents._hlo import collectives_in_hlo
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     AXIS,

@@ -22,6 +22,7 @@ from jaxtyping import Array, ArrayLike
 
 from .. import _validate
 from .._base import CompressedArray, densify
+from .._devices import axis_size, gather
 from .._registry import rule
 
 
@@ -247,6 +248,22 @@ class BlockedArray(CompressedArray):
             self._payload.shape[:-1],
             f"one {stat} per block of `{self._payload_field}`",
         )
+
+    # --- protocol ---------------------------------------------------------------
+
+    def all_reduce(self, axis_name: Any, *, mean: bool = False) -> Array:
+        # Every device's blocks are gathered, then decoded and summed in float32
+        # whatever the value's dtype: a half-precision sum over many devices would
+        # lose the small terms. The sum of codes has no block form, so it is dense.
+        gathered = self._with_blocks(
+            gather(self._payload, axis_name),
+            gather(self._stats, axis_name),
+            value_dtype=jnp.float32,
+        )
+        total = jnp.sum(gathered.materialise(), axis=0)
+        if mean:
+            total = total / axis_size(axis_name)
+        return total.astype(self.value_dtype)
 
     # --- building results in rules ----------------------------------------------
 

@@ -8,6 +8,7 @@ the result has at most one dimension, which no matrix factorisation could hold a
 
 import functools as ft
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -16,6 +17,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import _validate
 from .._base import CompressedArray, densify
+from .._devices import axis_size, gather_along
 from .._fallback import budget_settings, record_budget_event, record_densification
 from .._lax import add_any_p
 from .._registry import rule
@@ -69,6 +71,63 @@ class LowRank(CompressedArray):
 
     def materialise(self) -> Array:
         return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
+
+    @classmethod
+    def join_branches(cls, values: Sequence[CompressedArray]) -> Any:
+        # Zero columns add nothing: pad every branch to the largest rank.
+        if len({(v.shape, v.dtype) for v in values}) != 1:
+            return None
+        rank = max(v.rank for v in values)  # type: ignore[attr-defined]
+        return lambda x: x.pad_rank(rank)
+
+    def fit_carry(self, like: CompressedArray) -> "LowRank | None":
+        if not isinstance(like, LowRank) or (like.shape, like.dtype) != (
+            self.shape,
+            self.dtype,
+        ):
+            return None
+        if self.rank < like.rank:
+            return self.pad_rank(like.rank)
+        action, _ = budget_settings()
+        if action != "recompress":
+            raise TypeError(
+                f"the carry enters the body as a LowRank of rank {like.rank} and "
+                f"leaves it with rank {self.rank}, so its rank would grow every "
+                "step. Truncate it back each step with "
+                "`quax_tangents.rank_budget('recompress')`, or materialise it before "
+                "the loop."
+            )
+        record_budget_event("loop carry", "recompress")
+        return LowRank(*truncate(self.left, self.right, like.rank))
+
+    def pad_rank(self, rank: int) -> "LowRank":
+        """The same array with factors zero-padded to `rank` columns."""
+        extra = rank - self.rank
+        if extra <= 0:
+            return self
+        pad = [(0, 0)] * (self.left.ndim - 1) + [(0, extra)]
+        return LowRank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
+
+    def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
+        # Exact: every device's factors side by side, rank `devices * r`.
+        left = gather_along(self.left, axis_name, axis=-1)
+        right = gather_along(self.right, axis_name, axis=-1)
+        if mean:
+            left = left / jnp.asarray(axis_size(axis_name), left.dtype)
+        return LowRank(left, right)
+
+    def inner(self, other: Any) -> Array:
+        # sum_ij conj(a_ij) b_ij from the factors: never the m x n product.
+        if isinstance(other, LowRank):
+            left = jnp.matmul(jnp.swapaxes(jnp.conj(self.left), -1, -2), other.left)
+            right = jnp.matmul(jnp.swapaxes(jnp.conj(self.right), -1, -2), other.right)
+            return jnp.sum(left * right)
+        if isinstance(other, CompressedArray):
+            return jnp.conj(other.inner(self))
+        other = jnp.asarray(other)
+        if other.shape != self.shape:
+            return super().inner(other)
+        return jnp.conj(jnp.sum(self.left * jnp.matmul(jnp.conj(other), self.right)))
 
 
 # ---------------------------------------------------------------------------------------

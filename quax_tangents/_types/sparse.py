@@ -22,6 +22,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
 from .._base import CompressedArray, densify
+from .._devices import axis_size, gather_along
 from .._fallback import record_densification
 from .._lax import add_any_p
 from .._registry import rule
@@ -181,6 +182,47 @@ class Sparse(CompressedArray):
 
     def materialise(self) -> Array:
         return _materialise(self)
+
+    @classmethod
+    def join_branches(cls, values: Sequence[CompressedArray]) -> Any:
+        # Entries with value zero add nothing: pad every branch to the largest k.
+        if len({(v.shape, v.dtype, v.batch_ndim) for v in values}) != 1:
+            return None
+        k = max(v.k for v in values)  # type: ignore[attr-defined]
+        return lambda x: x.pad_k(k)
+
+    def fit_carry(self, like: CompressedArray) -> "Sparse | None":
+        same = isinstance(like, Sparse) and (
+            like.shape,
+            like.dtype,
+            like.batch_ndim,
+        ) == (
+            self.shape,
+            self.dtype,
+            self.batch_ndim,
+        )
+        if same and self.k <= like.k:  # type: ignore[attr-defined]
+            return self.pad_k(like.k)  # type: ignore[attr-defined]
+        return None
+
+    def pad_k(self, k: int) -> "Sparse":
+        """The same array with `k` entries per batch element, the added ones zero
+        (at index 0)."""
+        extra = k - self.k
+        if extra <= 0:
+            return self
+        pad = [(0, 0)] * (self.indices.ndim - 1) + [(0, extra)]
+        return Sparse._build(
+            jnp.pad(self.indices, pad), jnp.pad(self.values, pad), self.event_shape
+        )
+
+    def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "Sparse":
+        # Exact: every device's entries side by side, `devices * k` of them.
+        indices = gather_along(self.indices, axis_name, axis=-1)
+        values = gather_along(self.values, axis_name, axis=-1)
+        if mean:
+            values = values / jnp.asarray(axis_size(axis_name), values.dtype)
+        return Sparse._build(indices, values, self.event_shape)
 
 
 @jax.jit

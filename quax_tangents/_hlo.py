@@ -1,0 +1,165 @@
+"""A reader of the bytes that a compiled program's collectives move, from its HLO."""
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+
+_ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program, as `collectives` reads it.
+
+    - `kind`: the HLO opcode without an async `-start` suffix, e.g. `"all-reduce"`.
+    - `name`: the instruction's name in the HLO module.
+    - `operand_shapes`: the HLO shapes of its operands, e.g. `("f32[64,4]",)`.
+    - `operand_bytes`: the bytes of its operands on one device: what that device puts
+        on the wire (an all-gather receives this from every other device; a ring
+        all-reduce sends and receives about twice it).
+    """
+
+    kind: str
+    name: str
+    operand_shapes: tuple[str, ...]
+    operand_bytes: int
+
+
+def shape_bytes(shape: str) -> int:
+    """The bytes of an HLO shape such as `f32[64,4]{1,0}` or a tuple of them."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"Unknown HLO element type {dtype!r} in {shape!r}.")
+        size = math.prod(int(d) for d in dims.split(",") if d)
+        total += size * _ITEMSIZE[dtype]
+    return total
+
+
+def _split_shape(rhs: str) -> tuple[str, str]:
+    """Splits `"<shape> <opcode>(...)..."` after the shape, which may be a tuple."""
+    if rhs.startswith("("):
+        depth = 0
+        for i, char in enumerate(rhs):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                return rhs[: i + 1], rhs[i + 1 :].lstrip()
+    shape, _, rest = rhs.partition(" ")
+    return shape, rest
+
+
+def _operand_names(call: str) -> list[str]:
+    """The operand names of `"opcode(%a, %b), attrs"` (operands may carry shapes)."""
+    start = call.index("(") + 1
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(call[end], 0)
+        end += 1
+    inside = call[start : end - 1]
+    return [token.split()[-1].lstrip("%") for token in inside.split(", ") if token]
+
+
+def _strip_layout(shape: str) -> str:
+    return re.sub(r"\{[^}]*\}", "", shape)
+
+
+def collectives_in_hlo(hlo: str) -> list[Collective]:
+    """Every collective instruction of an HLO module's text (`compiled.as_text()`),
+    in order, with its operands' shapes looked up from their definitions.
+
+    An instruction inside a loop body is listed once, not once per iteration.
+    """
+    shapes: dict[str, str] = {}
+    calls: list[tuple[str, str, str]] = []
+    for line in hlo.splitlines():
+        # Long operand lists carry comments such as `/*index=5*/`.
+        line = _COMMENT.sub("", line)
+        match = _INSTRUCTION.match(line)
+        if match is None or line.lstrip().startswith(("HloModule", "ENTRY")):
+            continue
+        name, rhs = match.groups()
+        shape, call = _split_shape(rhs.strip())
+        shapes[name] = shape
+        opcode = call.split("(", 1)[0].strip()
+        kind = opcode.removesuffix("-start")
+        if kind in _COLLECTIVES and "(" in call:
+            calls.append((kind, name, call))
+    found = []
+    for kind, name, call in calls:
+        operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
+        found.append(
+            Collective(kind, name, operands, sum(shape_bytes(s) for s in operands))
+        )
+    return found
+
+
+def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Collective]:
+    """Lowers and compiles `fn(*args, **kwargs)` and lists its collectives with the
+    bytes of their operands, read from the compiled HLO (after XLA's passes, so
+    combined, promoted or removed collectives show as they run).
+
+    An instruction inside a loop (a `lax.scan` body) is listed once, not once per
+    iteration: the list of a scan over training steps is that of one step.
+
+    **Arguments:**
+
+    - `fn`: a function, jitted or not (it is wrapped in `jax.jit` if it has no
+        `lower`), typically a `jax.shard_map` step. Or, given no arguments: a
+        `jax.stages.Compiled`, read as it is; or a `jax.stages.Lowered`, read before
+        XLA's optimisations, which shows what the program asks for (XLA's CPU compiler,
+        for one, promotes bfloat16 all-reduces to float32).
+    - `*args`, `**kwargs`: example arguments (arrays, or `jax.ShapeDtypeStruct`s with
+        their shardings).
+
+    **Returns:**
+
+    A list of [`quax_tangents.Collective`][], one per collective instruction, in the
+    order of the HLO text.
+    """
+    stages = (jax.stages.Compiled, jax.stages.Lowered)
+    if isinstance(fn, stages) and (args or kwargs):
+        raise TypeError("A lowered or compiled program takes no example arguments.")
+    if isinstance(fn, jax.stages.Compiled):
+        return collectives_in_hlo(fn.as_text())
+    if isinstance(fn, jax.stages.Lowered):
+        return collectives_in_hlo(fn.compiler_ir("hlo").as_hlo_text())
+    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
+    compiled = lowerable.lower(*args, **kwargs).compile()
+    return collectives_in_hlo(compiled.as_text())

@@ -1,0 +1,38 @@
+"""Optax gradient transformations that compress updates: a generic compressor with
+error feedback (EF, EF21), and PowerSGD.
+
+Each transformation emits *dense* updates: the materialised compressed value, or the
+mean over devices of the compressed values. Generic optax transformations (`adam`,
+`sgd`, `apply_updates`) map over array leaves, and handed a compressed value they would
+scale its factors or indices instead of the array it represents. The bytes that
+compression saves are those on the wire: give `axis_name` and call the transformation
+inside a `jax.shard_map` body, and the only collectives it runs move compressed fields.
+
+With `axis_name`, part of the state differs per device (the carried errors). Call
+`init` inside the `shard_map` body, and pass the state in and out of `shard_map` with
+the specs of [`quax_tangents.optax.partition_specs`][]:
+
+```python
+tx = optax.chain(qto.powersgd(4, axis_name="data"), optax.adam(1e-3))
+state_specs = qto.partition_specs(jax.eval_shape(tx.init, params), "data")
+init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
+
+def step(params, state, batch):  # runs on each device
+    grads = jax.grad(loss)(qt.device_varying(params, "data"), batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+```
+"""
+
+from ._compress import CompressState as CompressState, compress as compress
+from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
+from ._specs import partition_specs as partition_specs
+
+
+__all__ = [
+    "CompressState",
+    "PowerSGDState",
+    "compress",
+    "partition_specs",
+    "powersgd",
+]

@@ -1,0 +1,168 @@
+"""Pieces shared by the compressing transformations: which leaves to compress,
+per-device state, and argument checks."""
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from .._base import CompressedArray
+from .._collective import all_reduce
+from .._devices import axis_is_bound, device_varying
+
+
+Filter = Callable[[Any], bool] | PyTree[bool] | None
+AxisName = Hashable | tuple[Hashable, ...] | None
+
+
+# ---------------------------------------------------------------------------------------
+# Choosing the leaves to compress
+
+
+def check_rate(min_compression_rate: Any) -> float:
+    if isinstance(min_compression_rate, bool) or not isinstance(
+        min_compression_rate, (int, float)
+    ):
+        raise TypeError(
+            f"`min_compression_rate` must be a number, got {min_compression_rate!r}."
+        )
+    if not min_compression_rate > 0:
+        raise ValueError(
+            f"`min_compression_rate` must be positive, got {min_compression_rate!r}."
+        )
+    return float(min_compression_rate)
+
+
+def filter_flags(filter: Filter, tree: PyTree) -> list[bool]:
+    """One Python bool per array leaf of `tree`: whether `filter` selects it.
+
+    `filter` is None (every leaf), a callable from a leaf to a bool, or a pytree of
+    bools that is `tree`'s structure or a prefix of it.
+    """
+    leaves = jtu.tree_leaves(tree)
+    if filter is None:
+        return [True] * len(leaves)
+    if callable(filter):
+        return [bool(filter(leaf)) for leaf in leaves]
+    try:
+        expanded = jtu.tree_map(
+            lambda flag, subtree: jtu.tree_map(lambda _: flag, subtree),
+            filter,
+            tree,
+        )
+    except ValueError as error:
+        raise ValueError(
+            "`filter` must be a callable or a pytree of bools with the structure of "
+            "the updates (or a prefix of it)."
+        ) from error
+    flags = jtu.tree_leaves(expanded)
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise TypeError("A pytree `filter` must hold Python bools.")
+    return flags
+
+
+def dense_bytes(leaf: Any) -> int:
+    return math.prod(jnp.shape(leaf)) * jnp.dtype(leaf.dtype).itemsize
+
+
+def compressed_bytes(compressor: Callable, leaf: Any) -> int | None:
+    """Bytes of `compressor(leaf)`, from shapes only; None if it rejects the shape."""
+    struct = jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
+    try:
+        out = jax.eval_shape(compressor, struct)
+    except ValueError:
+        return None
+    if not isinstance(out, CompressedArray):
+        raise TypeError(
+            "`compressor` must return a compressed value (LowRank, Sparse, Quantized "
+            f"or SignNorm), got {type(out).__name__}."
+        )
+    return out.nbytes
+
+
+def saves_enough(dense: int, compressed: int | None, rate: float) -> bool:
+    return compressed is not None and dense >= rate * max(compressed, 1)
+
+
+def compress_plan(
+    compressor: Callable, filter: Filter, rate: float, tree: PyTree
+) -> list[bool]:
+    flags = filter_flags(filter, tree)
+    return [
+        flag
+        and jnp.ndim(leaf) >= 2
+        and saves_enough(dense_bytes(leaf), compressed_bytes(compressor, leaf), rate)
+        for flag, leaf in zip(flags, jtu.tree_leaves(tree))
+    ]
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The matrix a leaf is compressed as: every dim but the last becomes rows, as for
+    a convolution kernel `(h, w, in, out)` -> `(h * w * in, out)`."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def powersgd_plan(rank: int, filter: Filter, rate: float, tree: PyTree) -> list[bool]:
+    flags = filter_flags(filter, tree)
+    plan = []
+    for flag, leaf in zip(flags, jtu.tree_leaves(tree)):
+        if not flag or jnp.ndim(leaf) < 2:
+            plan.append(False)
+            continue
+        m, n = matrix_shape(jnp.shape(leaf))
+        plan.append(rank <= min(m, n) and m * n >= rate * rank * (m + n))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def per_device_zeros(leaf: Any, axis_name: AxisName) -> Array:
+    """Zeros for a per-device state field; typed as varying when created inside the
+    `shard_map` body, so that a `scan` carrying the state keeps one type."""
+    zeros = jnp.zeros(jnp.shape(leaf), leaf.dtype)
+    if axis_name is not None and axis_is_bound(axis_name):
+        zeros = device_varying(zeros, axis_name)
+    return zeros
+
+
+def fields(plan: list[bool], leaves: list[Any], make: Callable) -> list[Any]:
+    return [make(leaf) if chosen else None for chosen, leaf in zip(plan, leaves)]
+
+
+def flat_fields(tree: PyTree, treedef: Any) -> list[Any]:
+    """A state field's entries aligned with the update leaves (None where unused)."""
+    if tree is None:
+        return [None] * treedef.num_leaves
+    return treedef.flatten_up_to(tree)
+
+
+def materialised(x: Any) -> Array:
+    return x.materialise() if isinstance(x, CompressedArray) else x
+
+
+def mean_over_devices(x: Array, axis_name: AxisName) -> Array:
+    if axis_name is None:
+        return x
+    return all_reduce(x, axis_name, mean=True)
+
+
+def check_axis_name(axis_name: AxisName) -> None:
+    if axis_name is not None and not axis_is_bound(axis_name):
+        raise NameError(
+            f"`axis_name={axis_name!r}` is not bound here: with an `axis_name`, call "
+            "`update` inside the body of `jax.shard_map` over that mesh axis."
+        )
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {value!r}.")
+    if value < low:
+        raise ValueError(f"`{name}` must be at least {low}, got {value}.")
+    return value

@@ -1,0 +1,55 @@
+"""`shard_map` specs for optimiser states that hold per-device fields."""
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax.tree_util as jtu
+from jax.sharding import PartitionSpec
+from jaxtyping import PyTree
+
+from ._compress import CompressState
+from ._powersgd import PowerSGDState
+
+
+def _specs(tree: PyTree, spec: PartitionSpec) -> PyTree:
+    return jtu.tree_map(lambda _: spec, tree)
+
+
+def partition_specs(state: PyTree, axis_name: Hashable) -> PyTree:
+    """`shard_map` specs for an optimiser state that contains this module's states.
+
+    Per-device fields (carried errors and EF21 estimates) get `P(axis_name)`: each
+    device's array is one block of a global array concatenated along the first
+    axis, so the state can leave `shard_map` and come back to the same device.
+    Everything else gets `P()` (replicated), including the states of other optax
+    transformations.
+
+    **Arguments:**
+
+    - `state`: the optimiser state, or its shapes (`jax.eval_shape(tx.init, params)`).
+    - `axis_name`: the mesh axis of the compressing transformations.
+
+    **Returns:**
+
+    A pytree of `PartitionSpec`s with `state`'s structure.
+    """
+    varying, replicated = PartitionSpec(axis_name), PartitionSpec()
+
+    def specs(node: Any) -> Any:
+        if isinstance(node, CompressState):
+            return CompressState(
+                _specs(node.error, varying),
+                _specs(node.estimate, varying),
+                _specs(node.aggregate, replicated),
+            )
+        if isinstance(node, PowerSGDState):
+            return PowerSGDState(
+                replicated, _specs(node.q, replicated), _specs(node.error, varying)
+            )
+        return replicated
+
+    return jtu.tree_map(
+        specs,
+        state,
+        is_leaf=lambda x: isinstance(x, (CompressState, PowerSGDState)),
+    )
