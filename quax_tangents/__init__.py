@@ -51,6 +51,7 @@ from ._hlo import Collective as Collective, collectives as collectives
 from ._primitives import compress as compress, materialise as materialise
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
+from ._types.rows import SparseRows as SparseRows
 from ._types.signnorm import SignNorm as SignNorm, sign_norm as sign_norm
 from ._types.sparse import Sparse as Sparse, top_k as top_k
 
