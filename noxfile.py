@@ -31,10 +31,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Checks lint rules and formatting with ruff."""
-    session.install(_ruff_requirement())
+    """Checks lint rules and formatting with ruff, and types with basedpyright (its
+    settings are in pyproject.toml)."""
+    session.install(_ruff_requirement(), ".[optax]", "basedpyright>=1.30")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("basedpyright")
 
 
 @nox.session
