@@ -53,13 +53,16 @@ def bench(session: nox.Session) -> None:
     Each writes `benchmarks/results/<name>.md`, or with `--quick`
     `benchmarks/results/quick/<name>.md`, which git ignores.
 
-    Arguments name the scripts to run (default: all); arguments starting with `-` go
-    to every script, e.g. `nox -s bench -- bench_jvp --quick`. The session fails if a
+    Arguments name the scripts to run (default: all); from the first argument that
+    starts with `-` on, the arguments go to every script, e.g.
+    `nox -s bench -- bench_jvp --quick --out /tmp/jvp.md`. The session fails if a
     script did not write its results file. Files starting with `_` are helpers.
     """
     session.install(".[optax,examples]")
-    names = {pathlib.Path(a).stem for a in session.posargs if not a.startswith("-")}
-    flags = [a for a in session.posargs if a.startswith("-")]
+    args = session.posargs
+    first_flag = next((i for i, a in enumerate(args) if a.startswith("-")), len(args))
+    names = {pathlib.Path(a).stem for a in args[:first_flag]}
+    flags = args[first_flag:]
     scripts = sorted(BENCHMARKS.glob("bench_*.py"))
     unknown = names - {p.stem for p in scripts}
     if unknown:
