@@ -96,3 +96,16 @@ def test_collective_benchmark_quick(tmp_path):
         "as predicted (tables below) | met |"
     ) in text
     assert (tmp_path / "collective.png").stat().st_size > 0
+
+
+def test_compression_benchmark_quick(tmp_path):
+    # The script exits non-zero when a storage target is missed or a documented
+    # error bound does not hold, which `run_script` turns into a failure.
+    text = _run_quick("bench_compression.py", tmp_path / "compression.md")
+    assert "bench_compression.py --quick --out" in text
+    # Storage is a function of shapes alone: every target row, and every bound.
+    targets = re.findall(
+        r"^\| [^|]+ \| [^|]+ \| >= [0-9.]+x \| [0-9.]+x \| (\S+) \|$", text, re.M
+    )
+    assert targets == ["met"] * 4, targets
+    assert "| holds:" in text and "VIOLATED" not in text
