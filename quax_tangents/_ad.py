@@ -18,6 +18,7 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
+from ._differentiable import merge_structures, split_structures, through_views
 from ._primitives import compress_p, outer_p
 
 
@@ -204,57 +205,6 @@ def _with_active(fn, leaves, treedef, active):
 
 
 # ---------------------------------------------------------------------------------------
-# Structures that differentiate only some of their fields (`@differentiable`)
-
-
-def _has_split(x: Any) -> bool:
-    return hasattr(type(x), "__qt_split__")
-
-
-def _split_structures(tree: PyTree) -> tuple[PyTree, Any]:
-    """Replaces each value whose class defines `__qt_split__` (a `@differentiable`
-    class) by its differentiable part, its `Tangent`-shaped view. Returns the view
-    tree and what `_merge_structures` needs to rebuild the originals."""
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=_has_split)
-    if not any(map(_has_split, leaves)):
-        return tree, None
-    views, rests = [], []
-    for leaf in leaves:
-        if _has_split(leaf):
-            view, rest = type(leaf).__qt_split__(leaf)
-            views.append(view)
-            rests.append((type(leaf), rest))
-        else:
-            views.append(leaf)
-            rests.append(None)
-    return jtu.tree_unflatten(treedef, views), (treedef, rests)
-
-
-def _merge_structures(views: PyTree, split: Any) -> PyTree:
-    if split is None:
-        return views
-    treedef, rests = split
-    merged = [
-        view if rest is None else rest[0].__qt_merge__(view, rest[1])
-        for view, rest in zip(treedef.flatten_up_to(views), rests)
-    ]
-    return jtu.tree_unflatten(treedef, merged)
-
-
-def _call_merged(fn: Callable, split: Any, *views: Any) -> Any:
-    return fn(*_merge_structures(views, split))
-
-
-def _through_views(fn: Callable, primals: Sequence[Any]) -> tuple[Callable, tuple]:
-    """`fn` and `primals` rewritten so that `@differentiable` arguments are
-    differentiated through their Tangent views."""
-    views, split = _split_structures(tuple(primals))
-    if split is None:
-        return fn, views
-    return jtu.Partial(_call_merged, fn, split), views
-
-
-# ---------------------------------------------------------------------------------------
 # Forward mode
 
 
@@ -285,7 +235,7 @@ def jvp(
     `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`. Output tangents
     stay compressed wherever the rules of their type allow.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
@@ -362,7 +312,7 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
 
     `(primal_out, f_jvp)`, where `f_jvp(*tangents)` is the JVP at `primals`.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
     out, linear = _enter_trace(jax.linearize)(fn, *primals)
     return out, _apply_linear(linear, "tangents")
 
@@ -393,7 +343,7 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
 
     `(primal_out, pullback)` or `(primal_out, pullback, aux)`.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
     result = _enter_trace(ft.partial(jax.vjp, has_aux=has_aux))(fn, *primals)
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
@@ -436,11 +386,11 @@ def value_and_grad(
 
         def run(pytree_fn, args):
             # A @differentiable argument is differentiated through its Tangent view.
-            selected, split = _split_structures(tuple(args[p] for p in positions))
+            selected, split = split_structures(tuple(args[p] for p in positions))
 
             def of_selected(*views):
                 full = list(args)
-                merged = _merge_structures(views, split)
+                merged = merge_structures(views, split)
                 for position, value in zip(positions, merged):
                     full[position] = value
                 return pytree_fn(*full)
