@@ -8,8 +8,8 @@ import jax.tree_util as jtu
 import quax
 from jaxtyping import Array, PyTree, Scalar
 
+from .._base import CompressedArray
 from .._primitives import materialise
-from .._types.lowrank import LowRank
 from ._checks import check_custom_zero, check_tangent_class, leaf_dtype
 from ._fields import (
     DIFFERENTIABLE,
@@ -228,16 +228,12 @@ def apply_tangent_updates(model: Any, updates: Any) -> Any:
 
 
 def _leaf_inner(a: Any, b: Any) -> Array:
-    """`sum(conj(a) * b)`, from the factors when one side is low-rank."""
-    if isinstance(a, LowRank) and isinstance(b, LowRank):
-        left = jnp.matmul(jnp.swapaxes(jnp.conj(a.left), -1, -2), b.left)
-        right = jnp.matmul(jnp.swapaxes(jnp.conj(a.right), -1, -2), b.right)
-        return jnp.sum(left * right)
-    if isinstance(b, LowRank) and not isinstance(a, quax.Value):
-        # sum_ij conj(a_ij) u_ik v_jk
-        return jnp.sum(b.left * jnp.matmul(jnp.conj(a), b.right))
-    if isinstance(a, LowRank) and not isinstance(b, quax.Value):
-        return jnp.conj(_leaf_inner(b, a))
+    """`sum(conj(a) * b)`; a compressed value computes it itself (a `LowRank` from
+    its factors)."""
+    if isinstance(a, CompressedArray):
+        return a.inner(b)
+    if isinstance(b, CompressedArray):
+        return jnp.conj(b.inner(a))
     return quax.quaxify(lambda x, y: jnp.sum(jnp.conj(x) * y))(a, b)
 
 
@@ -247,8 +243,9 @@ def inner(a: PyTree, b: PyTree) -> Scalar:
     **Arguments:**
 
     - `a`, `b`: two `Model.Tangent`s (or any two pytrees of arrays of one structure).
-        Low-rank leaves are paired through their factors; other compressed values
-        go through their rules (or the fallback policy).
+        A compressed leaf computes its product itself (`CompressedArray.inner`):
+        a `LowRank` from its factors, other types through their rules (or the
+        fallback policy).
 
     **Returns:**
 
