@@ -115,6 +115,63 @@ def as_pytree_callable(fn: Callable, name: str = "fn") -> Callable:
 
 
 # ---------------------------------------------------------------------------------------
+# Checks of the arguments of the entry points
+
+
+def _describe(x: Any) -> str:
+    """`x` as an error message shows it: type, and dtype and shape for arrays."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} entries"
+    if _is_value(x) or hasattr(x, "shape") and hasattr(x, "dtype"):
+        kind = type(x).__name__ if _is_value(x) else "an array"
+        return f"{kind} {_dtype_of(x)}{list(jnp.shape(x))}"
+    name = type(x).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _check_sequence(entry: str, name: str, value: Any) -> None:
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(
+            f"`{entry}` takes `{name}` as a tuple or list with one entry per argument "
+            f"of `fn`, got {_describe(value)}. For a single argument `x` with "
+            f"tangent `t`, write `{entry}(fn, (x,), (t,))`."
+        )
+
+
+def _returning_pair(fn: Callable, entry: str) -> Callable:
+    """`fn`, checked to return `(output, aux)` as `has_aux=True` promises."""
+
+    def checked(*args: Any) -> Any:
+        out = fn(*args)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"`{entry}` was given `has_aux=True`, so `fn` must return a pair "
+                f"`(output, aux)`, but it returned {_describe(out)}. Return "
+                "`(output, aux)`, or drop `has_aux=True`."
+            )
+        return out
+
+    return checked
+
+
+def _check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
+    """Like `jax.grad`, refuse integer inputs rather than return `float0` zeros."""
+    for position, arg in zip(positions, selected):
+        for path, leaf in jtu.tree_leaves_with_path(arg, is_leaf=_is_value):
+            if jnp.issubdtype(_dtype_of(leaf), jnp.inexact):
+                continue
+            which = f"its leaf {jtu.keystr(path)}" if path else "it"
+            raise TypeError(
+                f"`{entry}` differentiates argument {position} (selected by "
+                f"`argnums`), but {which} has dtype {_dtype_of(leaf)}; gradients need "
+                "floating or complex "
+                "inputs. Cast it (e.g. `jnp.asarray(x, jnp.float32)`), or pass integer "
+                "data (labels, step counts) in an argument that `argnums` does not "
+                "select, or in a `NoDerivative` field of a `@differentiable` model."
+            )
+
+
+# ---------------------------------------------------------------------------------------
 # Which inputs are differentiated
 
 
@@ -235,10 +292,14 @@ def jvp(
     `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`. Output tangents
     stay compressed wherever the rules of their type allow.
     """
+    _check_sequence("jvp", "primals", primals)
+    _check_sequence("jvp", "tangents", tangents)
     fn, primals = through_views(as_pytree_callable(fn), primals)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
+        if has_aux:
+            fn = _returning_pair(fn, "jvp")
         at = _with_active(fn, leaves, treedef, active)
         return jax.jvp(
             at, [leaves[i] for i in active], active_tangents, has_aux=has_aux
@@ -275,6 +336,8 @@ def partial_jvp(
 
     As `jvp`.
     """
+    _check_sequence("partial_jvp", "primals", primals)
+    _check_sequence("partial_jvp", "tangents", tangents)
     primals = tuple(primals)
     tangents = tuple(tangents)
     if argnums is not None:
@@ -344,15 +407,21 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
     `(primal_out, pullback)` or `(primal_out, pullback, aux)`.
     """
     fn, primals = through_views(as_pytree_callable(fn), primals)
-    result = _enter_trace(ft.partial(jax.vjp, has_aux=has_aux))(fn, *primals)
+
+    def run(fn: Callable, *primals: Any) -> Any:
+        if has_aux:
+            fn = _returning_pair(fn, "vjp")
+        return jax.vjp(fn, *primals, has_aux=has_aux)
+
+    result = _enter_trace(run)(fn, *primals)
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
 
 
-def _check_scalar_output(out: Any) -> None:
+def _check_scalar_output(entry: str, out: Any) -> None:
     if not (jnp.ndim(out) == 0 and jnp.issubdtype(jnp.result_type(out), jnp.floating)):
         raise TypeError(
-            "`grad` needs a function with a real scalar output, got "
+            f"`{entry}` needs a function with a real scalar output, got "
             f"{jnp.result_type(out)}{list(jnp.shape(out))}. Use `vjp` for other outputs."
         )
 
@@ -373,6 +442,12 @@ def value_and_grad(
 
     A function returning `(value, grads)` or `((value, aux), grads)`.
     """
+    return _value_and_grad(fn, argnums, has_aux, "value_and_grad")
+
+
+def _value_and_grad(
+    fn: Callable, argnums: int | Sequence[int], has_aux: bool, entry: str
+) -> Callable:
     single = isinstance(argnums, int)
     positions = (argnums,) if single else tuple(argnums)
 
@@ -387,6 +462,7 @@ def value_and_grad(
         def run(pytree_fn, args):
             # A @differentiable argument is differentiated through its Tangent view.
             selected, split = split_structures(tuple(args[p] for p in positions))
+            _check_inexact_inputs(entry, positions, selected)
 
             def of_selected(*views):
                 full = list(args)
@@ -395,8 +471,10 @@ def value_and_grad(
                     full[position] = value
                 return pytree_fn(*full)
 
+            if has_aux:
+                of_selected = _returning_pair(of_selected, entry)
             out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
-            _check_scalar_output(out)
+            _check_scalar_output(entry, out)
             grads = pullback(jnp.ones_like(out))
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
@@ -415,7 +493,7 @@ def grad(
 
     A function returning the gradients (and aux, with `has_aux=True`).
     """
-    value_and_grad_fn = value_and_grad(fn, argnums, has_aux=has_aux)
+    value_and_grad_fn = _value_and_grad(fn, argnums, has_aux, "grad")
 
     def grad_fn(*args: Any) -> Any:
         value, grads = value_and_grad_fn(*args)
@@ -470,6 +548,12 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
 
     `x`, unchanged.
     """
+    if not callable(compressor):
+        raise TypeError(
+            f"`compressor` must be a function from a dense array to a compressed "
+            f"value, such as `functools.partial(quax_tangents.low_rank, rank=4)`; got "
+            f"{_describe(compressor)}."
+        )
     try:
         hash(compressor)
     except TypeError:
@@ -477,7 +561,40 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
             "`compressor` must be hashable; use a function or `functools.partial` of "
             "one with hashable arguments."
         ) from None
-    return jtu.tree_map(lambda leaf: _compress_cotangent(leaf, compressor), x)
+
+    def mark(leaf: Any) -> Any:
+        _check_compressor_output(compressor, leaf)
+        return _compress_cotangent(leaf, compressor)
+
+    return jtu.tree_map(mark, x)
+
+
+def _check_compressor_output(compressor: Callable, x: Any) -> None:
+    """The cotangent of `x` has its shape and dtype, and so must the compressed
+    value: checked here, where the mistake is made, with an abstract evaluation."""
+    dense = jax.ShapeDtypeStruct(jnp.shape(x), _dtype_of(x))
+    try:
+        out = jax.eval_shape(compressor, dense)
+    except Exception as error:
+        error.add_note(
+            f"(raised by `compressor` given a dense {dense.dtype}{list(dense.shape)} "
+            "array, as the cotangent of `x` will be)"
+        )
+        raise
+    expected = f"{dense.dtype}{list(dense.shape)}"
+    if not _is_value(out):
+        raise TypeError(
+            f"`compressor` must return a compressed value (such as a `LowRank`) for "
+            f"the cotangent of `x`, {expected}, but returned {_describe(out)}. A "
+            "dense result would change the gradient without compressing it."
+        )
+    got = f"{out.dtype}{list(out.shape)}"
+    if got != expected:
+        raise ValueError(
+            f"`compressor` must return a value of the cotangent's shape and dtype: "
+            f"expected {expected} (those of `x`), got a {type(out).__name__} of "
+            f"{got}."
+        )
 
 
 @jax.custom_vjp
