@@ -7,7 +7,6 @@ that JAX gives them symbolic zero tangents instead of dense zeros.
 """
 
 import functools as ft
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,12 +17,19 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
+from ._arguments import (
+    as_pytree_callable,
+    check_compressor_output,
+    check_inexact_inputs,
+    check_scalar_output,
+    check_sequence,
+    describe,
+    dtype_of,
+    is_value,
+    returning_pair,
+)
 from ._differentiable import merge_structures, split_structures, through_views
 from ._primitives import compress_p, outer_p
-
-
-def _is_value(x: Any) -> bool:
-    return isinstance(x, quax.Value)
 
 
 def _enter_trace(fn: Callable) -> Callable:
@@ -37,150 +43,11 @@ def _enter_trace(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------
-# Making callables into pytrees, and refusing closures over quax values
-
-
-def _values_in(obj: Any, depth: int = 0) -> bool:
-    """Whether `obj` holds a quax value, looking into closures of nested functions."""
-    if depth > 4:
-        return False
-    if isinstance(obj, types.FunctionType):
-        cells = obj.__closure__ or ()
-        return any(_values_in(_cell_contents(c), depth + 1) for c in cells)
-    try:
-        leaves = jtu.tree_leaves(obj, is_leaf=_is_value)
-    except Exception:  # noqa: BLE001 - an unflattenable object holds no leaves we see
-        return False
-    return any(_is_value(leaf) for leaf in leaves)
-
-
-def _cell_contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-def _captured(fn: types.FunctionType) -> list[tuple[str, Any]]:
-    """The closure cells and the module globals that `fn`'s code refers to."""
-    captured = [
-        (var, _cell_contents(cell))
-        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    ]
-    captured += [
-        (var, fn.__globals__[var])
-        for var in fn.__code__.co_names
-        if var in fn.__globals__
-    ]
-    return captured
-
-
-def _check_no_captured_values(fn: Callable, name: str) -> None:
-    if not isinstance(fn, types.FunctionType):
-        return
-    for var, value in _captured(fn):
-        if not isinstance(value, types.ModuleType) and _values_in(value):
-            raise TypeError(
-                f"`{name}` captures the quax value `{var}` (in a closure or as a "
-                "global). A captured value cannot enter the trace, so it would be "
-                "treated as a constant of the wrong type. Pass it as an argument "
-                "instead, for example "
-                f"`functools.partial(f, {var})`, `equinox.Partial(f, {var})` or "
-                f"`jax.tree_util.Partial(f, {var})`, or make it a field of an "
-                "`equinox.Module`."
-            )
-
-
-def as_pytree_callable(fn: Callable, name: str = "fn") -> Callable:
-    """Turns `fn` into a callable whose quax values are pytree leaves.
-
-    `functools.partial` and bound methods of plain objects become
-    `jax.tree_util.Partial`s; `jax.tree_util.Partial`, `equinox.Partial`, bound methods
-    of Modules and Modules themselves are pytrees already. Plain closures over quax
-    values are refused.
-    """
-    if isinstance(fn, ft.partial) and not isinstance(fn, jtu.Partial):
-        inner = as_pytree_callable(fn.func, name)
-        return jtu.Partial(inner, *fn.args, **fn.keywords)
-    if isinstance(fn, types.MethodType):
-        _check_no_captured_values(fn.__func__, name)
-        return jtu.Partial(fn.__func__, fn.__self__)
-    if isinstance(fn, jtu.Partial):
-        _check_no_captured_values(fn.func, name)
-        return fn
-    if not callable(fn):
-        raise TypeError(f"`{name}` must be callable, got {type(fn).__name__}.")
-    _check_no_captured_values(fn, name)
-    return fn
-
-
-# ---------------------------------------------------------------------------------------
-# Checks of the arguments of the entry points
-
-
-def _describe(x: Any) -> str:
-    """`x` as an error message shows it: type, and dtype and shape for arrays."""
-    if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)} entries"
-    if _is_value(x) or hasattr(x, "shape") and hasattr(x, "dtype"):
-        kind = type(x).__name__ if _is_value(x) else "an array"
-        return f"{kind} {_dtype_of(x)}{list(jnp.shape(x))}"
-    name = type(x).__name__
-    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
-
-
-def _check_sequence(entry: str, name: str, value: Any) -> None:
-    if not isinstance(value, (tuple, list)):
-        raise TypeError(
-            f"`{entry}` takes `{name}` as a tuple or list with one entry per argument "
-            f"of `fn`, got {_describe(value)}. For a single argument `x` with "
-            f"tangent `t`, write `{entry}(fn, (x,), (t,))`."
-        )
-
-
-def _returning_pair(fn: Callable, entry: str) -> Callable:
-    """`fn`, checked to return `(output, aux)` as `has_aux=True` promises."""
-
-    def checked(*args: Any) -> Any:
-        out = fn(*args)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-                f"`{entry}` was given `has_aux=True`, so `fn` must return a pair "
-                f"`(output, aux)`, but it returned {_describe(out)}. Return "
-                "`(output, aux)`, or drop `has_aux=True`."
-            )
-        return out
-
-    return checked
-
-
-def _check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
-    """Like `jax.grad`, refuse integer inputs rather than return `float0` zeros."""
-    for position, arg in zip(positions, selected):
-        for path, leaf in jtu.tree_leaves_with_path(arg, is_leaf=_is_value):
-            if jnp.issubdtype(_dtype_of(leaf), jnp.inexact):
-                continue
-            which = f"its leaf {jtu.keystr(path)}" if path else "it"
-            raise TypeError(
-                f"`{entry}` differentiates argument {position} (selected by "
-                f"`argnums`), but {which} has dtype {_dtype_of(leaf)}; gradients need "
-                "floating or complex "
-                "inputs. Cast it (e.g. `jnp.asarray(x, jnp.float32)`), or pass integer "
-                "data (labels, step counts) in an argument that `argnums` does not "
-                "select, or in a `NoDerivative` field of a `@differentiable` model."
-            )
-
-
-# ---------------------------------------------------------------------------------------
 # Which inputs are differentiated
 
 
-def _dtype_of(x: Any) -> Any:
-    return x.dtype if _is_value(x) else jnp.result_type(x)
-
-
 def _is_integer(x: Any) -> bool:
-    return not jnp.issubdtype(_dtype_of(x), jnp.inexact)
+    return not jnp.issubdtype(dtype_of(x), jnp.inexact)
 
 
 def _is_float0_zero(t: Any) -> bool:
@@ -202,10 +69,10 @@ def _tangent_leaves(primals: tuple, tangents: tuple) -> list[Any]:
             f"`tangents` has {len(tangents)} entries but `primals` has {len(primals)}: "
             "give one tangent (or None) per primal."
         )
-    none_or_value = lambda x: x is None or _is_value(x)  # noqa: E731
+    none_or_value = lambda x: x is None or is_value(x)  # noqa: E731
     try:
         per_subtree = jtu.tree_map(
-            lambda t, p: _Group([t] * len(jtu.tree_leaves(p, is_leaf=_is_value))),
+            lambda t, p: _Group([t] * len(jtu.tree_leaves(p, is_leaf=is_value))),
             tangents,
             primals,
             is_leaf=none_or_value,
@@ -222,12 +89,12 @@ def _tangent_leaves(primals: tuple, tangents: tuple) -> list[Any]:
 def _check_tangent(index: int, primal: Any, tangent: Any) -> None:
     if _is_integer(primal):
         raise TypeError(
-            f"Primal leaf {index} has integer dtype {_dtype_of(primal)} and is a "
+            f"Primal leaf {index} has integer dtype {dtype_of(primal)} and is a "
             "constant: "
             "pass `None` as its tangent."
         )
     p_shape, t_shape = jnp.shape(primal), jnp.shape(tangent)
-    p_dtype, t_dtype = _dtype_of(primal), _dtype_of(tangent)
+    p_dtype, t_dtype = dtype_of(primal), dtype_of(tangent)
     if p_shape != t_shape or p_dtype != t_dtype:
         raise ValueError(
             f"Tangent leaf {index} is {t_dtype}{list(t_shape)} but its primal is "
@@ -237,7 +104,7 @@ def _check_tangent(index: int, primal: Any, tangent: Any) -> None:
 
 
 def _split(primals: tuple, tangents: tuple):
-    leaves, treedef = jtu.tree_flatten(primals, is_leaf=_is_value)
+    leaves, treedef = jtu.tree_flatten(primals, is_leaf=is_value)
     tangent_leaves = _tangent_leaves(primals, tangents)
     active = []
     for index, (primal, tangent) in enumerate(zip(leaves, tangent_leaves)):
@@ -292,14 +159,14 @@ def jvp(
     `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`. Output tangents
     stay compressed wherever the rules of their type allow.
     """
-    _check_sequence("jvp", "primals", primals)
-    _check_sequence("jvp", "tangents", tangents)
+    check_sequence("jvp", "primals", primals)
+    check_sequence("jvp", "tangents", tangents)
     fn, primals = through_views(as_pytree_callable(fn), primals)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
         if has_aux:
-            fn = _returning_pair(fn, "jvp")
+            fn = returning_pair(fn, "jvp")
         at = _with_active(fn, leaves, treedef, active)
         return jax.jvp(
             at, [leaves[i] for i in active], active_tangents, has_aux=has_aux
@@ -336,8 +203,8 @@ def partial_jvp(
 
     As `jvp`.
     """
-    _check_sequence("partial_jvp", "primals", primals)
-    _check_sequence("partial_jvp", "tangents", tangents)
+    check_sequence("partial_jvp", "primals", primals)
+    check_sequence("partial_jvp", "tangents", tangents)
     primals = tuple(primals)
     tangents = tuple(tangents)
     if argnums is not None:
@@ -410,20 +277,12 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
 
     def run(fn: Callable, *primals: Any) -> Any:
         if has_aux:
-            fn = _returning_pair(fn, "vjp")
+            fn = returning_pair(fn, "vjp")
         return jax.vjp(fn, *primals, has_aux=has_aux)
 
     result = _enter_trace(run)(fn, *primals)
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
-
-
-def _check_scalar_output(entry: str, out: Any) -> None:
-    if not (jnp.ndim(out) == 0 and jnp.issubdtype(jnp.result_type(out), jnp.floating)):
-        raise TypeError(
-            f"`{entry}` needs a function with a real scalar output, got "
-            f"{jnp.result_type(out)}{list(jnp.shape(out))}. Use `vjp` for other outputs."
-        )
 
 
 def value_and_grad(
@@ -462,7 +321,7 @@ def _value_and_grad(
         def run(pytree_fn, args):
             # A @differentiable argument is differentiated through its Tangent view.
             selected, split = split_structures(tuple(args[p] for p in positions))
-            _check_inexact_inputs(entry, positions, selected)
+            check_inexact_inputs(entry, positions, selected)
 
             def of_selected(*views):
                 full = list(args)
@@ -472,9 +331,9 @@ def _value_and_grad(
                 return pytree_fn(*full)
 
             if has_aux:
-                of_selected = _returning_pair(of_selected, entry)
+                of_selected = returning_pair(of_selected, entry)
             out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
-            _check_scalar_output(entry, out)
+            check_scalar_output(entry, out)
             grads = pullback(jnp.ones_like(out))
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
@@ -552,7 +411,7 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
         raise TypeError(
             f"`compressor` must be a function from a dense array to a compressed "
             f"value, such as `functools.partial(quax_tangents.low_rank, rank=4)`; got "
-            f"{_describe(compressor)}."
+            f"{describe(compressor)}."
         )
     try:
         hash(compressor)
@@ -563,38 +422,10 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
         ) from None
 
     def mark(leaf: Any) -> Any:
-        _check_compressor_output(compressor, leaf)
+        check_compressor_output(compressor, leaf)
         return _compress_cotangent(leaf, compressor)
 
     return jtu.tree_map(mark, x)
-
-
-def _check_compressor_output(compressor: Callable, x: Any) -> None:
-    """The cotangent of `x` has its shape and dtype, and so must the compressed
-    value: checked here, where the mistake is made, with an abstract evaluation."""
-    dense = jax.ShapeDtypeStruct(jnp.shape(x), _dtype_of(x))
-    try:
-        out = jax.eval_shape(compressor, dense)
-    except Exception as error:
-        error.add_note(
-            f"(raised by `compressor` given a dense {dense.dtype}{list(dense.shape)} "
-            "array, as the cotangent of `x` will be)"
-        )
-        raise
-    expected = f"{dense.dtype}{list(dense.shape)}"
-    if not _is_value(out):
-        raise TypeError(
-            f"`compressor` must return a compressed value (such as a `LowRank`) for "
-            f"the cotangent of `x`, {expected}, but returned {_describe(out)}. A "
-            "dense result would change the gradient without compressing it."
-        )
-    got = f"{out.dtype}{list(out.shape)}"
-    if got != expected:
-        raise ValueError(
-            f"`compressor` must return a value of the cotangent's shape and dtype: "
-            f"expected {expected} (those of `x`), got a {type(out).__name__} of "
-            f"{got}."
-        )
 
 
 @jax.custom_vjp

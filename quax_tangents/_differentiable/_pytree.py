@@ -123,23 +123,19 @@ def merge_generated(cls: type, view: Any, rest: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# Any pytree: `@differentiable` values replaced by their views, for the autodiff entry points
-
-
-def has_split(x: Any) -> bool:
-    return hasattr(type(x), "__qt_split__")
+# Any pytree: `@differentiable` values replaced by their views (for the entry points)
 
 
 def split_structures(tree: PyTree) -> tuple[PyTree, Any]:
     """Replaces each value whose class defines `__qt_split__` (a `@differentiable`
     class) by its differentiable part, its `Tangent`-shaped view. Returns the view
     tree and what `merge_structures` needs to rebuild the originals."""
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=has_split)
-    if not any(map(has_split, leaves)):
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_differentiable_instance)
+    if not any(map(is_differentiable_instance, leaves)):
         return tree, None
     views, rests = [], []
     for leaf in leaves:
-        if has_split(leaf):
+        if is_differentiable_instance(leaf):
             view, rest = type(leaf).__qt_split__(leaf)
             views.append(view)
             rests.append((type(leaf), rest))
