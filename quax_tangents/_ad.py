@@ -18,6 +18,7 @@ import quax
 from jaxtyping import PyTree
 
 from ._arguments import (
+    argnums_positions,
     as_pytree_callable,
     check_compressor_output,
     check_inexact_inputs,
@@ -208,7 +209,7 @@ def partial_jvp(
     primals = tuple(primals)
     tangents = tuple(tangents)
     if argnums is not None:
-        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        positions = argnums_positions(argnums)
         for position in positions:
             if not -len(primals) <= position < len(primals):
                 raise ValueError(
@@ -307,8 +308,8 @@ def value_and_grad(
 def _value_and_grad(
     fn: Callable, argnums: int | Sequence[int], has_aux: bool, entry: str
 ) -> Callable:
-    single = isinstance(argnums, int)
-    positions = (argnums,) if single else tuple(argnums)
+    positions = argnums_positions(argnums)
+    single = not isinstance(argnums, (tuple, list))
 
     def value_and_grad_fn(*args: Any) -> Any:
         pytree_fn = as_pytree_callable(fn)

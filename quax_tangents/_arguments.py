@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import quax
 
 
@@ -156,6 +157,19 @@ def check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
                 "data (labels, step counts) in an argument that `argnums` does not "
                 "select, or in a `NoDerivative` field of a `@differentiable` model."
             )
+
+
+def argnums_positions(argnums: Any) -> tuple[int, ...]:
+    """`argnums` as a tuple of positions: an int, or a sequence of ints."""
+    is_int = lambda a: isinstance(a, (int, np.integer)) and not isinstance(a, bool)  # noqa: E731
+    if is_int(argnums):
+        return (int(argnums),)
+    if isinstance(argnums, (tuple, list)) and argnums and all(map(is_int, argnums)):
+        return tuple(int(a) for a in argnums)
+    raise TypeError(
+        "`argnums` must be an int or a non-empty tuple of ints (the positions of the "
+        f"differentiated arguments), got {argnums!r}."
+    )
 
 
 def check_scalar_output(entry: str, out: Any) -> None:

@@ -151,6 +151,7 @@ def forward_grad(
     `@differentiable` model), or `(estimate, info)` with `return_info=True`.
     """
     _check_directions(directions)
+    _validate.check_key("key", key)
     rank = _validate.check_positive_int("rank", rank)
     num_directions = _validate.check_positive_int("num_directions", num_directions)
     if directions == "sparse":

@@ -416,6 +416,16 @@ def _sum_of_squares(w):
     return jnp.sum(w**2)
 
 
+@pytest.mark.parametrize("argnums", ["0", 0.0, (), (0, "1")])
+def test_argnums_must_be_ints(argnums):
+    with pytest.raises(
+        TypeError, match="`argnums` must be an int or a non-empty tuple"
+    ):
+        qt.grad(_sum_of_squares, argnums=argnums)(W)
+    with pytest.raises(TypeError, match="`argnums` must be an int"):
+        qt.partial_jvp(_sum_of_squares, (W,), (W,), argnums=argnums)
+
+
 @pytest.mark.parametrize("entry", ["grad", "value_and_grad"])
 def test_gradients_of_integer_inputs_are_refused(entry):
     # `jax.grad` refuses them too; returning float0 zeros would hide the mistake.
