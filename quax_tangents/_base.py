@@ -57,12 +57,6 @@ class CompressedArray(quax.ArrayValue):
         """`dense_nbytes / nbytes`: how many times smaller than dense."""
         return self.dense_nbytes / max(self.nbytes, 1)
 
-    def inner(self, other: Any) -> Array:
-        """`sum(conj(self) * other)` as a scalar, for `other` a dense array or a
-        compressed value of the same shape. By default through the rules (densifying
-        where they must, counted); a representation may override it."""
-        return quax.quaxify(lambda x, y: jnp.sum(jnp.conj(x) * y))(self, other)
-
     @staticmethod
     def default(
         primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]

@@ -70,18 +70,6 @@ class LowRank(CompressedArray):
     def materialise(self) -> Array:
         return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
 
-    def inner(self, other: Any) -> Array:
-        """`sum(conj(self) * other)` from the factors when `other` is dense or
-        low-rank."""
-        if isinstance(other, LowRank):
-            left = jnp.matmul(jnp.swapaxes(jnp.conj(self.left), -1, -2), other.left)
-            right = jnp.matmul(jnp.swapaxes(jnp.conj(self.right), -1, -2), other.right)
-            return jnp.sum(left * right)
-        if isinstance(other, CompressedArray):
-            return super().inner(other)
-        # sum_ij conj(other_ij) u_ik v_jk, conjugated
-        return jnp.conj(jnp.sum(self.left * jnp.matmul(jnp.conj(other), self.right)))
-
 
 # ---------------------------------------------------------------------------------------
 # Compressor
