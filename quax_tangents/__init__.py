@@ -1,6 +1,12 @@
-"""Compressed tangents and cotangents for JAX."""
+"""Compressed tangents and cotangents for JAX.
 
-import importlib.metadata
+The optax transforms live in the submodule `quax_tangents.optax`, imported on first
+use (it needs the `optax` extra).
+"""
+
+import importlib as _importlib
+import importlib.metadata as _metadata
+from typing import Any as _Any
 
 from . import _control as _control
 from ._ad import (
@@ -56,4 +62,76 @@ from ._types.signnorm import SignNorm as SignNorm, sign_norm as sign_norm
 from ._types.sparse import Sparse as Sparse, top_k as top_k
 
 
-__version__ = importlib.metadata.version("quax-tangents")
+__version__ = _metadata.version("quax-tangents")
+
+
+__all__ = [
+    "all_reduce",
+    "apply_tangent_updates",
+    "Collective",
+    "collectives",
+    "compress",
+    "compress_cotangent",
+    "CompressedArray",
+    "DensificationError",
+    "DensificationWarning",
+    "device_varying",
+    "Differentiable",
+    "differentiable",
+    "differentiable_part",
+    "factored_matmul",
+    "fallback",
+    "fallback_counts",
+    "fallback_mode",
+    "forward_grad",
+    "ForwardGradInfo",
+    "GatherSum",
+    "grad",
+    "inner",
+    "jvp",
+    "linearize",
+    "low_rank",
+    "LowRank",
+    "MajorityVote",
+    "materialise",
+    "move",
+    "NoDerivative",
+    "norm",
+    "partial_jvp",
+    "PowerSum",
+    "quantize",
+    "Quantized",
+    "rank_budget",
+    "rank_budget_counts",
+    "reset_fallback_counts",
+    "sign_norm",
+    "SignNorm",
+    "Sparse",
+    "Static",
+    "top_k",
+    "value_and_grad",
+    "vjp",
+    "zero_tangent",
+]
+
+# Submodules that `__getattr__` imports on first access, and the extra each needs.
+_LAZY_SUBMODULES = {"optax": "optax"}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _LAZY_SUBMODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return _importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        extra = _LAZY_SUBMODULES[name]
+        if error.name != extra:
+            raise
+        raise ImportError(
+            f"`{__name__}.{name}` needs the `{extra}` package, which is not "
+            f'installed: `pip install "quax-tangents[{extra}]"`.'
+        ) from error
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -7,7 +7,6 @@ that JAX gives them symbolic zero tangents instead of dense zeros.
 """
 
 import functools as ft
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,11 +17,20 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
+from ._arguments import (
+    argnums_positions,
+    as_pytree_callable,
+    check_compressor_output,
+    check_inexact_inputs,
+    check_scalar_output,
+    check_sequence,
+    describe,
+    dtype_of,
+    is_value,
+    returning_pair,
+)
+from ._differentiable import merge_structures, split_structures, through_views
 from ._primitives import compress_p, outer_p
-
-
-def _is_value(x: Any) -> bool:
-    return isinstance(x, quax.Value)
 
 
 def _enter_trace(fn: Callable) -> Callable:
@@ -36,93 +44,11 @@ def _enter_trace(fn: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------
-# Making callables into pytrees, and refusing closures over quax values
-
-
-def _values_in(obj: Any, depth: int = 0) -> bool:
-    """Whether `obj` holds a quax value, looking into closures of nested functions."""
-    if depth > 4:
-        return False
-    if isinstance(obj, types.FunctionType):
-        cells = obj.__closure__ or ()
-        return any(_values_in(_cell_contents(c), depth + 1) for c in cells)
-    try:
-        leaves = jtu.tree_leaves(obj, is_leaf=_is_value)
-    except Exception:  # noqa: BLE001 - an unflattenable object holds no leaves we see
-        return False
-    return any(_is_value(leaf) for leaf in leaves)
-
-
-def _cell_contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-def _captured(fn: types.FunctionType) -> list[tuple[str, Any]]:
-    """The closure cells and the module globals that `fn`'s code refers to."""
-    captured = [
-        (var, _cell_contents(cell))
-        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    ]
-    captured += [
-        (var, fn.__globals__[var])
-        for var in fn.__code__.co_names
-        if var in fn.__globals__
-    ]
-    return captured
-
-
-def _check_no_captured_values(fn: Callable, name: str) -> None:
-    if not isinstance(fn, types.FunctionType):
-        return
-    for var, value in _captured(fn):
-        if not isinstance(value, types.ModuleType) and _values_in(value):
-            raise TypeError(
-                f"`{name}` captures the quax value `{var}` (in a closure or as a "
-                "global). A captured value cannot enter the trace, so it would be "
-                "treated as a constant of the wrong type. Pass it as an argument "
-                "instead, for example "
-                f"`functools.partial(f, {var})`, `equinox.Partial(f, {var})` or "
-                f"`jax.tree_util.Partial(f, {var})`, or make it a field of an "
-                "`equinox.Module`."
-            )
-
-
-def as_pytree_callable(fn: Callable, name: str = "fn") -> Callable:
-    """Turns `fn` into a callable whose quax values are pytree leaves.
-
-    `functools.partial` and bound methods of plain objects become
-    `jax.tree_util.Partial`s; `jax.tree_util.Partial`, `equinox.Partial`, bound methods
-    of Modules and Modules themselves are pytrees already. Plain closures over quax
-    values are refused.
-    """
-    if isinstance(fn, ft.partial) and not isinstance(fn, jtu.Partial):
-        inner = as_pytree_callable(fn.func, name)
-        return jtu.Partial(inner, *fn.args, **fn.keywords)
-    if isinstance(fn, types.MethodType):
-        _check_no_captured_values(fn.__func__, name)
-        return jtu.Partial(fn.__func__, fn.__self__)
-    if isinstance(fn, jtu.Partial):
-        _check_no_captured_values(fn.func, name)
-        return fn
-    if not callable(fn):
-        raise TypeError(f"`{name}` must be callable, got {type(fn).__name__}.")
-    _check_no_captured_values(fn, name)
-    return fn
-
-
-# ---------------------------------------------------------------------------------------
 # Which inputs are differentiated
 
 
-def _dtype_of(x: Any) -> Any:
-    return x.dtype if _is_value(x) else jnp.result_type(x)
-
-
 def _is_integer(x: Any) -> bool:
-    return not jnp.issubdtype(_dtype_of(x), jnp.inexact)
+    return not jnp.issubdtype(dtype_of(x), jnp.inexact)
 
 
 def _is_float0_zero(t: Any) -> bool:
@@ -144,10 +70,10 @@ def _tangent_leaves(primals: tuple, tangents: tuple) -> list[Any]:
             f"`tangents` has {len(tangents)} entries but `primals` has {len(primals)}: "
             "give one tangent (or None) per primal."
         )
-    none_or_value = lambda x: x is None or _is_value(x)  # noqa: E731
+    none_or_value = lambda x: x is None or is_value(x)  # noqa: E731
     try:
         per_subtree = jtu.tree_map(
-            lambda t, p: _Group([t] * len(jtu.tree_leaves(p, is_leaf=_is_value))),
+            lambda t, p: _Group([t] * len(jtu.tree_leaves(p, is_leaf=is_value))),
             tangents,
             primals,
             is_leaf=none_or_value,
@@ -164,12 +90,12 @@ def _tangent_leaves(primals: tuple, tangents: tuple) -> list[Any]:
 def _check_tangent(index: int, primal: Any, tangent: Any) -> None:
     if _is_integer(primal):
         raise TypeError(
-            f"Primal leaf {index} has integer dtype {_dtype_of(primal)} and is a "
+            f"Primal leaf {index} has integer dtype {dtype_of(primal)} and is a "
             "constant: "
             "pass `None` as its tangent."
         )
     p_shape, t_shape = jnp.shape(primal), jnp.shape(tangent)
-    p_dtype, t_dtype = _dtype_of(primal), _dtype_of(tangent)
+    p_dtype, t_dtype = dtype_of(primal), dtype_of(tangent)
     if p_shape != t_shape or p_dtype != t_dtype:
         raise ValueError(
             f"Tangent leaf {index} is {t_dtype}{list(t_shape)} but its primal is "
@@ -179,7 +105,7 @@ def _check_tangent(index: int, primal: Any, tangent: Any) -> None:
 
 
 def _split(primals: tuple, tangents: tuple):
-    leaves, treedef = jtu.tree_flatten(primals, is_leaf=_is_value)
+    leaves, treedef = jtu.tree_flatten(primals, is_leaf=is_value)
     tangent_leaves = _tangent_leaves(primals, tangents)
     active = []
     for index, (primal, tangent) in enumerate(zip(leaves, tangent_leaves)):
@@ -201,57 +127,6 @@ def _with_active(fn, leaves, treedef, active):
         return fn(*jtu.tree_unflatten(treedef, full))
 
     return at
-
-
-# ---------------------------------------------------------------------------------------
-# Structures that differentiate only some of their fields (`@differentiable`)
-
-
-def _has_split(x: Any) -> bool:
-    return hasattr(type(x), "__qt_split__")
-
-
-def _split_structures(tree: PyTree) -> tuple[PyTree, Any]:
-    """Replaces each value whose class defines `__qt_split__` (a `@differentiable`
-    class) by its differentiable part, its `Tangent`-shaped view. Returns the view
-    tree and what `_merge_structures` needs to rebuild the originals."""
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=_has_split)
-    if not any(map(_has_split, leaves)):
-        return tree, None
-    views, rests = [], []
-    for leaf in leaves:
-        if _has_split(leaf):
-            view, rest = type(leaf).__qt_split__(leaf)
-            views.append(view)
-            rests.append((type(leaf), rest))
-        else:
-            views.append(leaf)
-            rests.append(None)
-    return jtu.tree_unflatten(treedef, views), (treedef, rests)
-
-
-def _merge_structures(views: PyTree, split: Any) -> PyTree:
-    if split is None:
-        return views
-    treedef, rests = split
-    merged = [
-        view if rest is None else rest[0].__qt_merge__(view, rest[1])
-        for view, rest in zip(treedef.flatten_up_to(views), rests)
-    ]
-    return jtu.tree_unflatten(treedef, merged)
-
-
-def _call_merged(fn: Callable, split: Any, *views: Any) -> Any:
-    return fn(*_merge_structures(views, split))
-
-
-def _through_views(fn: Callable, primals: Sequence[Any]) -> tuple[Callable, tuple]:
-    """`fn` and `primals` rewritten so that `@differentiable` arguments are
-    differentiated through their Tangent views."""
-    views, split = _split_structures(tuple(primals))
-    if split is None:
-        return fn, views
-    return jtu.Partial(_call_merged, fn, split), views
 
 
 # ---------------------------------------------------------------------------------------
@@ -285,10 +160,14 @@ def jvp(
     `(primal_out, tangent_out)`, or `(primal_out, tangent_out, aux)`. Output tangents
     stay compressed wherever the rules of their type allow.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
+    check_sequence("jvp", "primals", primals)
+    check_sequence("jvp", "tangents", tangents)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
     leaves, treedef, active, active_tangents = _split(tuple(primals), tuple(tangents))
 
     def run(fn, leaves, active_tangents):
+        if has_aux:
+            fn = returning_pair(fn, "jvp")
         at = _with_active(fn, leaves, treedef, active)
         return jax.jvp(
             at, [leaves[i] for i in active], active_tangents, has_aux=has_aux
@@ -325,10 +204,12 @@ def partial_jvp(
 
     As `jvp`.
     """
+    check_sequence("partial_jvp", "primals", primals)
+    check_sequence("partial_jvp", "tangents", tangents)
     primals = tuple(primals)
     tangents = tuple(tangents)
     if argnums is not None:
-        positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        positions = argnums_positions(argnums)
         for position in positions:
             if not -len(primals) <= position < len(primals):
                 raise ValueError(
@@ -362,7 +243,7 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
 
     `(primal_out, f_jvp)`, where `f_jvp(*tangents)` is the JVP at `primals`.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
     out, linear = _enter_trace(jax.linearize)(fn, *primals)
     return out, _apply_linear(linear, "tangents")
 
@@ -393,18 +274,16 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
 
     `(primal_out, pullback)` or `(primal_out, pullback, aux)`.
     """
-    fn, primals = _through_views(as_pytree_callable(fn), primals)
-    result = _enter_trace(ft.partial(jax.vjp, has_aux=has_aux))(fn, *primals)
+    fn, primals = through_views(as_pytree_callable(fn), primals)
+
+    def run(fn: Callable, *primals: Any) -> Any:
+        if has_aux:
+            fn = returning_pair(fn, "vjp")
+        return jax.vjp(fn, *primals, has_aux=has_aux)
+
+    result = _enter_trace(run)(fn, *primals)
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
-
-
-def _check_scalar_output(out: Any) -> None:
-    if not (jnp.ndim(out) == 0 and jnp.issubdtype(jnp.result_type(out), jnp.floating)):
-        raise TypeError(
-            "`grad` needs a function with a real scalar output, got "
-            f"{jnp.result_type(out)}{list(jnp.shape(out))}. Use `vjp` for other outputs."
-        )
 
 
 def value_and_grad(
@@ -423,8 +302,14 @@ def value_and_grad(
 
     A function returning `(value, grads)` or `((value, aux), grads)`.
     """
-    single = isinstance(argnums, int)
-    positions = (argnums,) if single else tuple(argnums)
+    return _value_and_grad(fn, argnums, has_aux, "value_and_grad")
+
+
+def _value_and_grad(
+    fn: Callable, argnums: int | Sequence[int], has_aux: bool, entry: str
+) -> Callable:
+    positions = argnums_positions(argnums)
+    single = not isinstance(argnums, (tuple, list))
 
     def value_and_grad_fn(*args: Any) -> Any:
         pytree_fn = as_pytree_callable(fn)
@@ -436,17 +321,20 @@ def value_and_grad(
 
         def run(pytree_fn, args):
             # A @differentiable argument is differentiated through its Tangent view.
-            selected, split = _split_structures(tuple(args[p] for p in positions))
+            selected, split = split_structures(tuple(args[p] for p in positions))
+            check_inexact_inputs(entry, positions, selected)
 
             def of_selected(*views):
                 full = list(args)
-                merged = _merge_structures(views, split)
+                merged = merge_structures(views, split)
                 for position, value in zip(positions, merged):
                     full[position] = value
                 return pytree_fn(*full)
 
+            if has_aux:
+                of_selected = returning_pair(of_selected, entry)
             out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
-            _check_scalar_output(out)
+            check_scalar_output(entry, out)
             grads = pullback(jnp.ones_like(out))
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
@@ -465,7 +353,7 @@ def grad(
 
     A function returning the gradients (and aux, with `has_aux=True`).
     """
-    value_and_grad_fn = value_and_grad(fn, argnums, has_aux=has_aux)
+    value_and_grad_fn = _value_and_grad(fn, argnums, has_aux, "grad")
 
     def grad_fn(*args: Any) -> Any:
         value, grads = value_and_grad_fn(*args)
@@ -520,6 +408,12 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
 
     `x`, unchanged.
     """
+    if not callable(compressor):
+        raise TypeError(
+            f"`compressor` must be a function from a dense array to a compressed "
+            f"value, such as `functools.partial(quax_tangents.low_rank, rank=4)`; got "
+            f"{describe(compressor)}."
+        )
     try:
         hash(compressor)
     except TypeError:
@@ -527,7 +421,12 @@ def compress_cotangent(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
             "`compressor` must be hashable; use a function or `functools.partial` of "
             "one with hashable arguments."
         ) from None
-    return jtu.tree_map(lambda leaf: _compress_cotangent(leaf, compressor), x)
+
+    def mark(leaf: Any) -> Any:
+        check_compressor_output(compressor, leaf)
+        return _compress_cotangent(leaf, compressor)
+
+    return jtu.tree_map(mark, x)
 
 
 @jax.custom_vjp

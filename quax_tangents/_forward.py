@@ -25,8 +25,9 @@ import quax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, Scalar
 
 from . import _validate
-from ._ad import _split_structures, jvp
+from ._ad import jvp
 from ._base import materialise_values
+from ._differentiable import split_structures
 from ._types.lowrank import LowRank
 from ._types.sparse import Sparse
 
@@ -150,11 +151,12 @@ def forward_grad(
     `@differentiable` model), or `(estimate, info)` with `return_info=True`.
     """
     _check_directions(directions)
+    _validate.check_key("key", key)
     rank = _validate.check_positive_int("rank", rank)
     num_directions = _validate.check_positive_int("num_directions", num_directions)
     if directions == "sparse":
         _check_k(k)
-    view = _split_structures((params,))[0][0]
+    view = split_structures((params,))[0][0]
     _check_params(view)
     leaves, treedef = jtu.tree_flatten(view)
     recipes = [

@@ -63,3 +63,31 @@ def check_ndim(name: str, x: Any, minimum: int) -> None:
         raise ValueError(
             f"`{name}` must have at least {minimum} dimensions, got shape {jnp.shape(x)}."
         )
+
+
+def as_array(name: str, x: Any) -> jax.Array:
+    """`x` as a JAX array: arrays, NumPy arrays, scalars and (nested) lists."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"`{name}` must be an array or array-like (a NumPy array, a scalar or a "
+            f"nested list of numbers), got {type(x).__name__}: {error}"
+        ) from None
+
+
+def check_key(name: str, key: Any, *, none_means: str = "") -> None:
+    """A typed key (`jax.random.key`) or a raw uint32 key (`jax.random.PRNGKey`)."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return
+    if dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,):
+        return
+    got = f"{key!r}" if dtype is None else f"an array of {dtype}{list(jnp.shape(key))}"
+    raise TypeError(
+        f"`{name}` must be a PRNG key such as `jax.random.key(0)`, got {got}"
+        + (f"; pass None {none_means}" if none_means else "")
+        + "."
+    )

@@ -301,6 +301,42 @@ def test_compress_cotangent_checks_the_compressor():
         qt.compress_cotangent(W, Unhashable())
 
 
+@pytest.mark.parametrize(
+    "compressor, error, message",
+    [
+        (
+            lambda x: qt.low_rank(x[:2], 1),
+            ValueError,
+            r"expected float32\[16, 12\].*"
+            r"got a LowRank of float32\[2, 12\]",
+        ),
+        (
+            lambda x: qt.low_rank(x.astype(jnp.float16), 1),
+            ValueError,
+            r"expected float32\[16, 12\].*got a LowRank of float16\[16, 12\]",
+        ),
+        (lambda x: 2 * x, TypeError, "must return a compressed value"),
+        (3, TypeError, "`compressor` must be a function"),
+    ],
+    ids=["shape", "dtype", "dense", "not-callable"],
+)
+def test_compress_cotangent_checks_what_the_compressor_returns(
+    compressor, error, message
+):
+    with pytest.raises(error, match=message):
+        qt.compress_cotangent(X, compressor)
+    # Under a transformation the check sees the per-example value.
+    if callable(compressor):
+        with pytest.raises(error, match="`compressor`"):
+            jax.vmap(lambda x: qt.compress_cotangent(x, compressor))(X[None])
+
+
+def test_compress_cotangent_notes_a_compressor_that_fails():
+    with pytest.raises(ValueError, match="`rank`") as info:
+        qt.compress_cotangent(jnp.ones((2, 3)), ft.partial(qt.low_rank, rank=5))
+    assert any("raised by `compressor`" in note for note in info.value.__notes__)
+
+
 def test_grad_of_x_at_w_is_the_exact_low_rank_outer_product():
     x = random_array(5, (4, 40))
     w = random_array(6, (40, 30))
@@ -370,3 +406,69 @@ def test_numpy_interop_of_results():
     with qt.fallback("error"):
         _, tangent = qt.jvp(lambda w: X @ w, (W,), (T,))
     assert np.asarray(qt.materialise(tangent)).shape == (16, 10)
+
+
+# ---------------------------------------------------------------------------------------
+# Careless arguments get errors that name the argument and the fix
+
+
+def _sum_of_squares(w):
+    return jnp.sum(w**2)
+
+
+@pytest.mark.parametrize("argnums", ["0", 0.0, (), (0, "1")])
+def test_argnums_must_be_ints(argnums):
+    with pytest.raises(
+        TypeError, match="`argnums` must be an int or a non-empty tuple"
+    ):
+        qt.grad(_sum_of_squares, argnums=argnums)(W)
+    with pytest.raises(TypeError, match="`argnums` must be an int"):
+        qt.partial_jvp(_sum_of_squares, (W,), (W,), argnums=argnums)
+
+
+@pytest.mark.parametrize("entry", ["grad", "value_and_grad"])
+def test_gradients_of_integer_inputs_are_refused(entry):
+    # `jax.grad` refuses them too; returning float0 zeros would hide the mistake.
+    transform = getattr(qt, entry)
+    with pytest.raises(TypeError, match=f"`{entry}` differentiates argument 0 .*int32"):
+        transform(_sum_of_squares)(jnp.arange(3))
+    with pytest.raises(TypeError, match="argument 1 .*Cast it"):
+        transform(lambda w, n: jnp.sum(w * n), argnums=1)(W[0], jnp.arange(10))
+    with pytest.raises(TypeError, match=r"its leaf \['n'\] has dtype int32"):
+        transform(lambda d: jnp.sum(d["w"]))({"w": W, "n": jnp.arange(2)})
+    # Integer data in an argument that is not differentiated is fine.
+    out = transform(lambda w, n: jnp.sum(w * n), argnums=0)(W[0], jnp.arange(10))
+    grads = out[1] if entry == "value_and_grad" else out
+    assert_close(grads, jnp.arange(10.0))
+
+
+def test_jvp_needs_tuples_of_primals_and_tangents():
+    with pytest.raises(
+        TypeError,
+        match=r"`primals` as a tuple or list.*got an array"
+        r" float32\[12, 10\].*jvp\(fn, \(x,\), \(t,\)\)",
+    ):
+        qt.jvp(_sum_of_squares, W, (T,))
+    with pytest.raises(TypeError, match="`tangents` as a tuple or list.*got LowRank"):
+        qt.jvp(_sum_of_squares, (W,), T)
+    with pytest.raises(TypeError, match="`partial_jvp` takes `primals`"):
+        qt.partial_jvp(_sum_of_squares, W, (T,))
+
+
+@pytest.mark.parametrize("entry", ["jvp", "vjp", "grad", "value_and_grad"])
+def test_has_aux_needs_a_pair(entry):
+    call = {
+        "jvp": lambda f: qt.jvp(f, (W,), (T.materialise(),), has_aux=True),
+        "vjp": lambda f: qt.vjp(f, W, has_aux=True),
+        "grad": lambda f: qt.grad(f, has_aux=True)(W),
+        "value_and_grad": lambda f: qt.value_and_grad(f, has_aux=True)(W),
+    }[entry]
+    with pytest.raises(
+        TypeError,
+        match=rf"`{entry}` was given `has_aux=True`.*returned an array float32\[\]",
+    ):
+        call(_sum_of_squares)
+    with pytest.raises(TypeError, match="returned a tuple of 3 entries"):
+        call(lambda w: (jnp.sum(w), 1, 2))
+    out = call(lambda w: (jnp.sum(w), "aux"))
+    assert (out[0][1] if entry == "value_and_grad" else out[-1]) == "aux"

@@ -421,6 +421,32 @@ def test_zero_tangent_and_dtypes():
     assert type(carried) is Nested
 
 
+def test_inner_of_compressed_leaves():
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    a = qt.LowRank(normal(2, 5, 2), normal(2, 4, 2))
+    b = qt.LowRank(normal(2, 5, 3), normal(2, 4, 3))
+    d = normal(2, 5, 4)
+    dense = lambda x: x.materialise() if isinstance(x, qt.LowRank) else x
+    # Low-rank leaves pair through their factors, batch dims included: no fallback.
+    with qt.fallback("error"):
+        for x, y in [(a, b), (a, d), (d, a), (a, a)]:
+            np.testing.assert_allclose(
+                qt.inner(x, y), jnp.sum(dense(x) * dense(y)), rtol=1e-5, atol=1e-5
+            )
+    # A type without its own product goes through the rules, counted.
+    q = qt.quantize(d)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        np.testing.assert_allclose(
+            qt.inner(q, d), jnp.sum(q.materialise() * d), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            qt.inner(d, q), jnp.sum(q.materialise() * d), rtol=1e-5
+        )
+    assert sum(qt.fallback_counts().values()) >= 2
+
+
 def test_tangent_with_compressed_fields():
     matrix = qt.low_rank(jnp.outer(jnp.arange(8.0), jnp.ones(6)), rank=1)
     other = qt.low_rank(jnp.outer(jnp.ones(8), jnp.arange(6.0)), rank=1)

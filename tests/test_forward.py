@@ -317,6 +317,11 @@ def test_bad_arguments(kwargs, error, match):
         qt.forward_grad(_quadratic, W, KEY, **kwargs)
 
 
+def test_key_must_be_a_prng_key():
+    with pytest.raises(TypeError, match="`key` must be a PRNG key.*got 0"):
+        qt.forward_grad(_quadratic, W, 0)
+
+
 def test_integer_params_are_refused():
     params = {"w": W, "n": jnp.arange(3)}
     with pytest.raises(TypeError, match=r"leaf \['n'\] has dtype int32"):

@@ -166,9 +166,9 @@ def low_rank(
 
     A `LowRank` with factors of the dtype of `x`.
     """
+    x = _validate.as_array("x", x)
     _validate.check_floating("x", x)
     _validate.check_ndim("x", x, 2)
-    x = jnp.asarray(x)
     m, n = x.shape[-2:]
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `x` {x.shape}"
@@ -184,6 +184,8 @@ def low_rank(
             f"`oversample` must be a non-negative int, got {oversample!r}."
         )
     _validate.check_finite("x", x)
+    if key is not None:
+        _validate.check_key("key", key, none_means="for the fixed `jax.random.key(0)`")
     key = jax.random.key(0) if key is None else key
     left, right = _range_finder(x, key, rank=rank, iters=iters, oversample=oversample)
     return LowRank(left, right)

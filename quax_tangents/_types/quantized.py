@@ -230,9 +230,11 @@ def quantize(
     """
     bits = _check_bits("bits", bits)
     block_size = _check_block_size(block_size, bits)
+    x = _validate.as_array("x", x)
     _validate.check_floating("x", x)
     _validate.check_finite("x", x)
-    x = jnp.asarray(x)
+    if key is not None:
+        _validate.check_key("key", key, none_means="for round-to-nearest")
     size = x.size
     block_size = min(block_size, max(size, 1))
     if bits == 4 and block_size % 2:

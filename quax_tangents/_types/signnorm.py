@@ -167,10 +167,30 @@ def _decode(bits, norms, event_shape, block_size, dtype) -> Array:
 def _encode(x, elems: int) -> tuple[Array, Array]:
     blocks = _blocked.flat_blocks(x, _blocked.num_blocks(x.size, elems), elems)
     largest = jnp.max(jnp.abs(blocks), axis=-1, initial=0.0)
-    unit = blocks / jnp.where(largest > 0, largest, 1.0)[..., None]
-    norms = largest * jnp.sqrt(jnp.sum(unit * unit, axis=-1))
+    # Scale each block by a power of two near `1 / largest`, exactly. Dividing by
+    # `largest` is compiled as a product with its reciprocal, which is subnormal for
+    # `largest` above about 8.5e37 and flushed to zero where subnormals are (XLA on
+    # CPU), zeroing the block. The clip keeps both `2**e` and `2**-e` normal.
+    exponent = jnp.clip(jnp.frexp(largest)[1], -125, 125)
+    unit = jnp.ldexp(blocks, -exponent[..., None])
+    norms = jnp.ldexp(jnp.sqrt(jnp.sum(unit * unit, axis=-1)), exponent)
     bits = jnp.packbits(blocks >= 0, axis=-1, bitorder="little")
     return bits, norms
+
+
+def _check_norms_fit(norms: Array, block_size: int | None) -> None:
+    if _validate.is_concrete(norms) and not bool(np.all(np.isfinite(norms))):
+        raise ValueError(
+            "`x` has a block whose l2 norm overflows float32 (above about 3.4e38), "
+            "the dtype `SignNorm` stores its norms in"
+            + (
+                " (`block_size=None` makes all of `x` one block)"
+                if block_size is None
+                else ""
+            )
+            + ". Pass a smaller `block_size` (`block_size=1` keeps every magnitude), "
+            "or scale `x` down."
+        )
 
 
 def sign_norm(x: Float[ArrayLike, "*shape"], block_size: int | None = None) -> SignNorm:
@@ -184,8 +204,15 @@ def sign_norm(x: Float[ArrayLike, "*shape"], block_size: int | None = None) -> S
     With `block_size=None` (the default) the whole array is one block, costing one bit
     per element plus 4 bytes. A `block_size` larger than `x` is reduced to `x.size`.
 
-    Norms are computed in float32 with the block's largest magnitude factored out, so
-    they do not overflow for large finite inputs.
+    **Error bound.** Each stored norm is the block's l2 norm with a relative error of a
+    few float32 ulps (`n_b` of them at most), whatever the magnitudes: the norm is
+    computed in float32 with the block's largest magnitude factored out as a power of
+    two, so values up to float32's maximum neither overflow nor underflow in between.
+    A block whose norm itself exceeds float32's maximum (`sqrt(n_b) * 1e38` does for
+    `n_b >= 12`) is an error for concrete `x` and stores `inf` under `jit`. Subnormal
+    values (below float32's smallest normal, about 1.2e-38) count as zero where the
+    backend flushes subnormals, as XLA on CPU does: a materialised element, or a norm,
+    below that bound may come out as zero.
 
     Works under `jax.jit` and `jax.vmap`.
 
@@ -200,13 +227,14 @@ def sign_norm(x: Float[ArrayLike, "*shape"], block_size: int | None = None) -> S
     A `SignNorm` with `event_shape == x.shape` and `dtype == x.dtype`.
     """
     block_size = _check_block_size(block_size)
+    x = _validate.as_array("x", x)
     _validate.check_floating("x", x)
     _validate.check_finite("x", x)
-    x = jnp.asarray(x)
     size = x.size
     if block_size is not None:
         block_size = min(block_size, max(size, 1))
     bits, norms = _encode(x, _elems(x.shape, block_size))
+    _check_norms_fit(norms, block_size)
     return SignNorm(
         bits, norms, event_shape=x.shape, block_size=block_size, dtype=x.dtype
     )

@@ -334,7 +334,7 @@ def top_k(x: Float[ArrayLike, "..."], k: int | float) -> Sparse:
 
     A `Sparse` of `x`'s shape and dtype with 1-D `indices` and `values` of length `k`.
     """
-    x = jnp.asarray(x)
+    x = _validate.as_array("x", x)
     _validate.check_floating("x", x)
     _validate.check_finite("x", x)
     return _top_k(x, _resolve_k(k, x.size))

@@ -167,6 +167,65 @@ def test_large_values_do_not_overflow_the_norm():
     )
 
 
+_F32 = np.finfo(np.float32)
+
+
+def _edge_input(seed, event_shape, block_elems, edge):
+    """Random signs with magnitudes in [1, 2) times a scale at one end of float32:
+    `"large"`: so that the largest block norm is just under float32's maximum;
+    `"tiny"`: just above float32's smallest normal, so every element is normal."""
+    rng = np.random.default_rng(seed)
+    magnitudes = rng.uniform(1.0, 2.0, event_shape)
+    signs = np.where(rng.random(event_shape) < 0.5, -1.0, 1.0)
+    if edge == "large":
+        scale = 0.99 * float(_F32.max) / (2.0 * math.sqrt(block_elems))
+    else:
+        scale = float(_F32.tiny)
+    return np.asarray(signs * magnitudes * scale, np.float32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    event_shape=st.sampled_from(EVENT_SHAPES),
+    block_size=st.sampled_from([None, 1, 3, 8]),
+    seed=seeds(),
+    edge=st.sampled_from(["large", "tiny"]),
+)
+def test_error_bound_at_the_float32_edges(event_shape, block_size, seed, edge):
+    size = math.prod(event_shape)
+    elems = max(size, 1) if block_size is None else min(block_size, max(size, 1))
+    x = _edge_input(seed, event_shape, elems, edge)
+    s = qt.sign_norm(x, block_size)
+    blocks = _blocks_numpy(x, s.block_size)
+    expected_norms = np.array([np.linalg.norm(b) for b in blocks])
+    np.testing.assert_allclose(s.norms, expected_norms, rtol=2e-6, atol=0)
+    dense = np.asarray(s.materialise(), np.float64)
+    assert np.all(np.isfinite(dense))
+    np.testing.assert_array_equal(dense >= 0, x >= 0)
+    for block, norm in zip(
+        _blocks_numpy(dense, s.block_size), expected_norms, strict=True
+    ):
+        np.testing.assert_allclose(
+            np.abs(block), norm / math.sqrt(block.size), rtol=2e-6, atol=0
+        )
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 3, 8])
+def test_subnormal_values_err_by_less_than_the_smallest_normal(block_size):
+    x = random_array(0, (3, 4)) * np.float32(1e-40)
+    dense = qt.sign_norm(x, block_size).materialise()
+    assert bool(jnp.all(jnp.isfinite(dense)))
+    np.testing.assert_allclose(dense, x, rtol=0, atol=2 * float(_F32.tiny))
+
+
+def test_block_norm_beyond_float32_is_an_error():
+    x = jnp.full((16,), 1e38, jnp.float32)  # norm 4e38
+    with pytest.raises(ValueError, match="overflows float32.*smaller `block_size`"):
+        qt.sign_norm(x)
+    np.testing.assert_allclose(qt.sign_norm(x, block_size=1).materialise(), x)
+    np.testing.assert_allclose(qt.sign_norm(x, block_size=4).materialise(), x)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_input_keeps_dtype(dtype):
     x = random_array(5, (3, 7), dtype)
