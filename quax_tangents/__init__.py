@@ -107,6 +107,7 @@ __all__ = [
     "sign_norm",
     "SignNorm",
     "Sparse",
+    "SparseRows",
     "Static",
     "top_k",
     "value_and_grad",
