@@ -24,9 +24,18 @@ def step(params, state, batch):  # runs on each device
 ```
 """
 
-from ._compress import CompressState as CompressState, compress as compress
-from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
-from ._specs import partition_specs as partition_specs
+import importlib.util
+
+
+if importlib.util.find_spec("optax") is None:
+    raise ImportError(
+        "`quax_tangents.optax` needs the `optax` package, which is not installed: "
+        '`pip install "quax-tangents[optax]"`.'
+    )
+
+from ._compress import CompressState as CompressState, compress as compress  # noqa: E402
+from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd  # noqa: E402
+from ._specs import partition_specs as partition_specs  # noqa: E402
 
 
 __all__ = [
