@@ -383,6 +383,8 @@ def test_arguments_are_checked():
         qto.powersgd(2, start_iter=-1)
     with pytest.raises(ValueError, match="error_dtype"):
         qto.powersgd(2, error_dtype="float16")
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        qto.powersgd(2, error_feedback=False, error_dtype="int8")
     with pytest.raises(TypeError, match="filter"):
         qto.compress(_top_k, filter={"w": 1, "b": 1, "small": 1, "kernel": 1}).init(
             _params()

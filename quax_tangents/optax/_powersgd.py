@@ -159,7 +159,10 @@ def powersgd(
         or `"int8"` as a [`quax_tangents.Quantized`][] of int8 codes with one float32
         scale per block of at most 256 elements (nearest rounding), about 0.26x the
         bytes of a float32 error. Each element then is within `max|block| / 254` of
-        the exact error; that rounding is dropped, not carried.
+        the exact error; that rounding is dropped, not carried. Suited to batches
+        drawn alike on every device: where each device's gradient differs from the
+        mean for good (a fixed shard of data per device), its error grows with the
+        step count and the rounding of it stalls convergence.
     - `min_compression_rate`: the least `m n / (r (m + n))` worth compressing for.
     - `filter`: which leaves may be compressed: `None` (all), a callable from a leaf to
         a bool, or a pytree of bools.
@@ -176,6 +179,11 @@ def powersgd(
     start_iter = check_int("start_iter", start_iter, 0)
     seed = check_int("seed", seed, 0)
     error_dtype = check_error_dtype(error_dtype)
+    if error_dtype is not None and not error_feedback:
+        raise ValueError(
+            "`error_dtype` says how the carried error is stored, and with "
+            "`error_feedback=False` there is none: drop `error_dtype`."
+        )
     rate = check_rate(min_compression_rate)
     plan_of = ft.partial(powersgd_plan, rank, filter, rate)
     reduce = ft.partial(reduce_together, axis_name=axis_name, mean=True)
