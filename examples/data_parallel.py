@@ -44,10 +44,14 @@ import sys
 def _devices_in_argv(default: int = 8) -> int:
     """`--devices N` of the command line, read before JAX starts."""
     for i, arg in enumerate(sys.argv):
+        value = None
         if arg == "--devices" and i + 1 < len(sys.argv):
-            return int(sys.argv[i + 1])
-        if arg.startswith("--devices="):
-            return int(arg.split("=", 1)[1])
+            value = sys.argv[i + 1]
+        elif arg.startswith("--devices="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            # A bad value is left for the argument parser to report.
+            return int(value) if value.isdigit() and int(value) > 0 else default
     return default
 
 

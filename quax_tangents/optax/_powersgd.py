@@ -66,7 +66,7 @@ def reduce_together(
     """
     if axis_name is None or not arrays:
         return list(arrays)
-    out: list[Array | None] = [None] * len(arrays)
+    out = list(arrays)
     by_dtype: dict[Any, list[int]] = {}
     for i, a in enumerate(arrays):
         by_dtype.setdefault(jnp.result_type(a), []).append(i)
@@ -82,7 +82,7 @@ def reduce_together(
             size = math.prod(jnp.shape(arrays[i]))
             out[i] = reduced[offset : offset + size].reshape(jnp.shape(arrays[i]))
             offset += size
-    return out  # pyright: ignore[reportReturnType]
+    return out
 
 
 # ---------------------------------------------------------------------------------------
