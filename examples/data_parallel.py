@@ -21,6 +21,17 @@ from the compiled program) and the wall time, as a Markdown table and a PNG plot
 accuracy against bytes (`--out`, default `examples/results/data_parallel.md`, and the
 `.png` next to it; with `--quick`, `examples/results/quick/data_parallel.md`, which
 git ignores, so a smoke run never replaces a full run's results).
+
+With `--processes N` the same training runs on `N` processes of `--devices` host
+devices each, one JAX cluster (`jax.distributed`, gloo collectives for the CPU) over
+127.0.0.1: this script starts the `N` workers itself. On several machines start one
+worker per machine yourself, each with the same arguments plus its own
+`--process-id` and the coordinator's address:
+
+    python examples/data_parallel.py --processes 2 --process-id 0 \
+        --coordinator 10.0.0.1:12345   # on the first machine (the coordinator)
+    python examples/data_parallel.py --processes 2 --process-id 1 \
+        --coordinator 10.0.0.1:12345   # on the second
 """
 
 # JAX reads XLA_FLAGS when it first starts its CPU backend, so the device count is
@@ -28,9 +39,24 @@ git ignores, so a smoke run never replaces a full run's results).
 # ruff: noqa: E402
 
 import os
+import sys
 
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+def _devices_in_argv(default: int = 8) -> int:
+    """`--devices N` of the command line, read before JAX starts."""
+    for i, arg in enumerate(sys.argv):
+        value = None
+        if arg == "--devices" and i + 1 < len(sys.argv):
+            value = sys.argv[i + 1]
+        elif arg.startswith("--devices="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            # A bad value is left for the argument parser to report.
+            return int(value) if value.isdigit() and int(value) > 0 else default
+    return default
+
+
+_DEVICE_FLAG = f"--xla_force_host_platform_device_count={_devices_in_argv()}"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}"
 
@@ -39,7 +65,9 @@ import dataclasses
 import functools as ft
 import pathlib
 import shlex
-import sys
+import signal
+import socket
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -47,6 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -145,6 +174,7 @@ class Result:
     collectives: list[qt.Collective]
     seconds: float
     losses: np.ndarray
+    params: list[dict] | None = None
 
     @property
     def bytes_per_step(self) -> int:
@@ -173,10 +203,12 @@ class Config:
     seed: int = 0
 
 
-def _batches(n_train: int, config: Config, rng: np.random.Generator) -> np.ndarray:
+def _batches(
+    n_train: int, config: Config, rng: np.random.Generator, devices: int
+) -> np.ndarray:
     """Indices `(steps, devices * batch_per_device)`, epoch by epoch without
     replacement."""
-    size = DEVICES * config.batch_per_device
+    size = devices * config.batch_per_device
     order: list[np.ndarray] = []
     while sum(len(o) for o in order) < config.steps * size:
         order.append(rng.permutation(n_train))
@@ -196,6 +228,22 @@ def make_step(tx: optax.GradientTransformation):
     return step
 
 
+def put(tree, sharding: NamedSharding):
+    """Host arrays (the same in every process) placed as `sharding` says: each process
+    supplies the blocks of its own devices, so this works across processes too."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(
+            np.shape(x), sharding, lambda index: np.asarray(x)[index]
+        ),
+        tree,
+    )
+
+
+def fetch(tree):
+    """A replicated array as a host array; every process holds a full copy."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
 def train(
     name: str,
     make_tx: Callable[[], optax.GradientTransformation],
@@ -205,12 +253,13 @@ def train(
     progress: bool = True,
 ) -> Result:
     x_train, y_train, x_test, y_test = data
+    devices = mesh.size
     rng = np.random.default_rng(config.seed)
     params = init_mlp(rng, config.sizes)
     tx = optax.chain(make_tx(), optax.adam(config.learning_rate))
     state_specs = qto.partition_specs(jax.eval_shape(tx.init, params), AXIS)
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, AXIS))
-    params = jax.device_put(params, replicated)
+    params = put(params, replicated)
     state = jax.jit(
         jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs)
     )(params)
@@ -231,10 +280,10 @@ def train(
             chunk, mesh=mesh, in_specs=specs, out_specs=specs[:2] + (P(AXIS),)
         )
     )
-    batches = _batches(len(x_train), config, rng)
-    k = config.steps_per_call
-    xs = jax.device_put(x_train[batches[:k]], split)
-    ys = jax.device_put(y_train[batches[:k]], split)
+    batches = _batches(len(x_train), config, rng, devices)
+    k = min(config.steps_per_call, config.steps)
+    xs = put(x_train[batches[:k]], split)
+    ys = put(y_train[batches[:k]], split)
     run_chunk = run_chunk.lower(params, state, xs, ys).compile()
     # The bytes of one step: the scan's body is compiled once, as a loop, so each of
     # its collectives is listed once.
@@ -248,25 +297,29 @@ def train(
         idx = batches[first : first + k]
         if len(idx) < k:
             break
-        xs = jax.device_put(x_train[idx], split)
-        ys = jax.device_put(y_train[idx], split)
+        xs = put(x_train[idx], split)
+        ys = put(y_train[idx], split)
         params, state, chunk_losses = run_chunk(params, state, xs, ys)
-        losses.append(np.asarray(chunk_losses).reshape(DEVICES, k).mean(0))
+        chunk_losses = multihost_utils.process_allgather(chunk_losses, tiled=True)
+        losses.append(np.asarray(chunk_losses).reshape(devices, k).mean(0))
         bar.set_postfix(loss=f"{float(losses[-1][-1]):.3f}")
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
-    acc = accuracy(jax.device_get(params), x_test, y_test)
-    return Result(name, acc, found, seconds, np.concatenate(losses))
+    final = fetch(params)
+    acc = accuracy(final, x_test, y_test)
+    return Result(name, acc, found, seconds, np.concatenate(losses), final)
 
 
-def make_mesh() -> jax.sharding.Mesh:
-    if len(jax.devices()) < DEVICES:
+def make_mesh(devices: int = DEVICES) -> jax.sharding.Mesh:
+    """A mesh over the first `devices` devices of the cluster (every process's
+    devices when `jax.distributed` is initialised, process by process)."""
+    if len(jax.devices()) < devices:
         raise RuntimeError(
-            f"Found {len(jax.devices())} devices; this example needs {DEVICES}. JAX was "
+            f"Found {len(jax.devices())} devices; this example needs {devices}. JAX was "
             f"started before `XLA_FLAGS={_DEVICE_FLAG}` could be set: run the example "
             "as a script, or set the flag yourself."
         )
-    return jax.make_mesh((DEVICES,), (AXIS,), devices=jax.devices()[:DEVICES])
+    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
 
 
 # ---------------------------------------------------------------------------------
@@ -277,7 +330,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def table(results: list[Result]) -> list[str]:
+def table(results: list[Result], devices: int = DEVICES) -> list[str]:
     dense = next((r for r in results if r.method == "dense"), results[0])
     lines = [
         "| method | test accuracy | bytes per step (operands) | ÷ dense | bytes "
@@ -297,7 +350,7 @@ def table(results: list[Result]) -> list[str]:
         ratio = dense.bytes_per_step / max(r.bytes_per_step, 1)
         lines.append(
             f"| {r.method} | {100 * r.accuracy:.1f}% | {_fmt_bytes(r.bytes_per_step)} | "
-            f"{ratio:.1f}x | {_fmt_bytes(r.received_per_device(DEVICES))} | {kinds} | "
+            f"{ratio:.1f}x | {_fmt_bytes(r.received_per_device(devices))} | {kinds} | "
             f"{r.seconds:.1f} |"
         )
     return lines
@@ -349,7 +402,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of the methods to run (default: all)",
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--save-params",
+        type=pathlib.Path,
+        default=None,
+        help="write every method's final parameters to this .npz file",
+    )
+    cluster = parser.add_argument_group("several processes")
+    cluster.add_argument(
+        "--devices", type=int, default=DEVICES, help="host devices per process"
+    )
+    cluster.add_argument(
+        "--processes", type=int, default=1, help="processes in the JAX cluster"
+    )
+    cluster.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        help="this process's index; without it, all processes start on this machine",
+    )
+    cluster.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of process 0's coordinator (with --process-id)",
+    )
+    cluster.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds before the processes started here are stopped",
+    )
     args = parser.parse_args(argv)
+    if args.devices < 1 or args.processes < 1:
+        parser.error("--devices and --processes must be at least 1")
+    if args.process_id is not None:
+        if not 0 <= args.process_id < args.processes:
+            parser.error("--process-id must be in [0, --processes)")
+        if args.coordinator is None:
+            parser.error("--process-id needs --coordinator HOST:PORT")
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     return args
@@ -365,10 +455,115 @@ def config_from(args: argparse.Namespace) -> Config:
     return dataclasses.replace(config, seed=args.seed)
 
 
+# ---------------------------------------------------------------------------------
+# Several processes
+
+
+def free_port() -> int:
+    """A TCP port of the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(devices: int) -> dict[str, str]:
+    """This environment with `devices` host devices, whatever XLA_FLAGS said."""
+    env = dict(os.environ)
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join(
+        [*flags, f"--xla_force_host_platform_device_count={devices}"]
+    )
+    return env
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> None:
+    """Starts the `--processes` workers on this machine, joined over 127.0.0.1, and
+    waits for all of them; stops every worker if one fails or time runs out."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    workers: list[subprocess.Popen] = []
+    # A terminated launcher stops its workers too (`finally` runs on SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    deadline = time.monotonic() + args.timeout
+    try:
+        for i in range(args.processes):
+            command = [sys.executable, __file__, *argv]
+            command += ["--process-id", str(i), "--coordinator", coordinator]
+            workers.append(subprocess.Popen(command, env=worker_env(args.devices)))
+        while True:
+            codes = [w.poll() for w in workers]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise SystemExit(f"Worker {failed[0][0]} exited with {failed[0][1]}.")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"The workers took longer than {args.timeout:.0f} s.")
+            time.sleep(0.1)
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait(timeout=30)
+
+
+def join_cluster(args: argparse.Namespace) -> None:
+    """Joins this process to the JAX cluster. On a loopback coordinator it listens
+    on loopback only; elsewhere on every interface (JAX's default)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    host = args.coordinator.rsplit(":", 1)[0]
+    loopback = host in ("127.0.0.1", "localhost")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.processes,
+        process_id=args.process_id,
+        coordinator_bind_address=args.coordinator if loopback else None,
+    )
+
+
+def _without_cluster_options(argv: list[str]) -> list[str]:
+    """The command line as the user gave it, without what `launch` adds."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--process-id", "--coordinator"):
+            skip = True
+        elif not arg.startswith(("--process-id=", "--coordinator=")):
+            out.append(arg)
+    return out
+
+
+def save_params(path: pathlib.Path, results: list[Result]) -> None:
+    arrays = {
+        f"{r.method}/{i}/{name}": value
+        for r in results
+        for i, layer in enumerate(r.params or [])
+        for name, value in layer.items()
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+
+
+# ---------------------------------------------------------------------------------
+# Main
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.processes > 1 and args.process_id is None:
+        launch(args, argv)
+        return []
+    if args.processes > 1:
+        join_cluster(args)
+    lead = jax.process_index() == 0
     config = config_from(args)
-    mesh = make_mesh()
+    devices = args.processes * args.devices
+    mesh = make_mesh(devices)
     data = load_data()
     chosen = methods()
     if args.methods is not None:
@@ -379,35 +574,42 @@ def main(argv: list[str] | None = None) -> list[Result]:
         chosen = {name: chosen[name] for name in names}
     results = []
     for name, make_tx in chosen.items():
-        result = train(name, make_tx, data, config, mesh, progress=not args.no_progress)
+        progress = lead and not args.no_progress
+        result = train(name, make_tx, data, config, mesh, progress=progress)
         results.append(result)
-        print(
-            f"{name:>12}: test accuracy {100 * result.accuracy:.1f}%, "
-            f"{result.bytes_per_step:,} bytes per step, {result.seconds:.1f} s",
-            flush=True,
-        )
+        if lead:
+            print(
+                f"{name:>12}: test accuracy {100 * result.accuracy:.1f}%, "
+                f"{result.bytes_per_step:,} bytes per step, {result.seconds:.1f} s",
+                flush=True,
+            )
+    if not lead:
+        return results
+    if args.save_params is not None:
+        save_params(args.save_params, results)
     command = "python examples/data_parallel.py " + shlex.join(
-        sys.argv[1:] if argv is None else argv
+        _without_cluster_options(argv)
     )
     sizes = " -> ".join(map(str, config.sizes))
+    where = f"{devices} host CPU devices"
+    if args.processes > 1:
+        where += f" in {args.processes} processes"
     header = [
         "# Data-parallel digits MLP with compressed gradient all-reduce",
         "",
-        f"Produced by `{command.strip()}`: MLP {sizes} (ReLU), {DEVICES} host CPU "
-        f"devices, {config.batch_per_device} examples per device per step, "
+        f"Produced by `{command.strip()}`: MLP {sizes} (ReLU), {where}, "
+        f"{config.batch_per_device} examples per device per step, "
         f"{config.steps} steps of Adam (lr {config.learning_rate}), seed "
         f"{config.seed}. Bytes are the operands of one step's collectives in the "
         "compiled program (what one device contributes); the model column is what "
         "one device receives with a ring all-reduce or an all-gather.",
         "",
     ]
-    lines = table(results)
+    lines = table(results, devices)
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(header + lines) + "\n")
-    plot(
-        results, args.out.with_suffix(".png"), f"digits MLP {sizes}, {DEVICES} devices"
-    )
+    plot(results, args.out.with_suffix(".png"), f"digits MLP {sizes}, {where}")
     print(f"Wrote {args.out} and {args.out.with_suffix('.png')}")
     return results
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
@@ -241,6 +241,92 @@ def test_powersgd_half_precision():
     assert state.q["w"].dtype == jnp.float32
 
 
+def _layers(depth, width=16):
+    return [
+        {"w": jnp.zeros((width, width)), "b": jnp.zeros(width)} for _ in range(depth)
+    ]
+
+
+def _layers_loss(params, x):
+    for layer in params:
+        x = jnp.tanh(x @ layer["w"] + layer.get("b", 0.0))
+    return jnp.sum(x**2)
+
+
+def _lowered_step(tx, params):
+    """A data-parallel step with `tx`, lowered (not compiled) on a one-device mesh:
+    the lowered program lists the collectives it asks for, whatever the device count."""
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    specs = qto.partition_specs(jax.eval_shape(tx.init, params), "data")
+    state = jax.eval_shape(
+        jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params
+    )
+
+    def step(params, state, x):
+        grads = jax.grad(_layers_loss)(qt.device_varying(params, "data"), x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
+    )
+    x = jax.ShapeDtypeStruct(
+        (4, 16), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    return jax.jit(step).lower(params, state, x)
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_powersgd_asks_for_two_all_reduces_per_round_whatever_the_depth(iters):
+    """All `P`s share one all-reduce per round, all `Q`s another, all biases one;
+    the bytes are those of one all-reduce per matrix."""
+    rank, depth, width = 2, 12, 16
+    tx = qto.powersgd(rank, iters=iters, axis_name="data", min_compression_rate=1.0)
+    found = qt.collectives(_lowered_step(tx, _layers(depth, width)))
+    assert [c.kind for c in found] == ["all-reduce"] * (2 * iters + 1), found
+    factors = iters * depth * rank * (width + width)
+    assert sum(c.operand_bytes for c in found) == 4 * (factors + depth * width)
+
+
+def test_powersgd_batches_per_dtype():
+    params = _layers(3) + [{"w": jnp.zeros((16, 16), jnp.bfloat16)}]
+    tx = qto.powersgd(2, axis_name="data", min_compression_rate=1.0)
+    found = qt.collectives(_lowered_step(tx, params))
+    # P and Q of the float32 matrices, of the bfloat16 matrix, and the biases.
+    assert len(found) == 5, found
+    assert sum("bf16" in s for c in found for s in c.operand_shapes) == 2, found
+
+
+def test_powersgd_int8_error_state_is_a_quarter_of_float32():
+    params = _params()
+    dense = qto.powersgd(2).init(params).error
+    int8 = qto.powersgd(2, error_dtype="int8").init(params).error
+    assert isinstance(int8["w"], qt.Quantized) and int8["b"] is None
+    size = sum(x.nbytes for x in jax.tree.leaves(dense))
+    assert sum(x.nbytes for x in jax.tree.leaves(int8)) <= 0.3 * size
+
+
+def test_powersgd_int8_error_is_the_error_rounded_per_block():
+    """The update is unchanged (the error starts at zero); the stored error is the
+    float error up to half a step of its block's scale."""
+    tx = qto.powersgd(2, seed=3)
+    tx8 = qto.powersgd(2, seed=3, error_dtype="int8")
+    grads = _grads()
+    updates, state = jax.jit(tx.update)(grads, tx.init(_params()))
+    updates8, state8 = jax.jit(tx8.update)(grads, tx8.init(_params()))
+    for name in ("w", "kernel"):
+        assert_close(updates8[name], updates[name])
+        stored = state8.error[name]
+        exact = np.asarray(state.error[name]).reshape(-1)
+        blocks = stored.scales.shape[-1]
+        padded = np.pad(exact, (0, blocks * stored.block_size - exact.size))
+        bound = np.repeat(
+            np.abs(padded.reshape(blocks, -1)).max(1) / 254, stored.block_size
+        )
+        found = np.asarray(stored.materialise()).reshape(-1)
+        assert np.all(np.abs(found - exact) <= bound[: exact.size] * (1 + 1e-5))
+
+
 # ---------------------------------------------------------------------------------
 # Composition with optax, jit and scan
 
@@ -249,10 +335,11 @@ def test_powersgd_half_precision():
     "make_tx",
     [
         lambda: qto.powersgd(4),
+        lambda: qto.powersgd(4, error_dtype="int8"),
         lambda: qto.compress(_top_k, error_feedback="ef21"),
         lambda: qto.compress(qt.sign_norm),
     ],
-    ids=["powersgd", "top-k-ef21", "sign-ef"],
+    ids=["powersgd", "powersgd-int8-error", "top-k-ef21", "sign-ef"],
 )
 def test_chained_with_adam_in_a_scan_converges(make_tx):
     rng = np.random.default_rng(0)
@@ -294,6 +381,10 @@ def test_arguments_are_checked():
         qto.powersgd(2, iters=1.5)
     with pytest.raises(ValueError, match="start_iter"):
         qto.powersgd(2, start_iter=-1)
+    with pytest.raises(ValueError, match="error_dtype"):
+        qto.powersgd(2, error_dtype="float16")
+    with pytest.raises(ValueError, match="error_feedback=False"):
+        qto.powersgd(2, error_feedback=False, error_dtype="int8")
     with pytest.raises(TypeError, match="filter"):
         qto.compress(_top_k, filter={"w": 1, "b": 1, "small": 1, "kernel": 1}).init(
             _params()
@@ -310,10 +401,15 @@ def test_partition_specs_of_a_chain():
     tx = optax.chain(
         qto.powersgd(2, axis_name="data"),
         qto.compress(_top_k, error_feedback="ef21", axis_name="data"),
+        qto.powersgd(2, error_dtype="int8", axis_name="data"),
         optax.adam(1e-3),
     )
     specs = qto.partition_specs(jax.eval_shape(tx.init, _params()), "data")
-    powersgd_specs, compress_specs, adam_specs = specs
+    powersgd_specs, compress_specs, int8_specs, adam_specs = specs
+    # Each field of a quantised error is per device.
+    assert isinstance(int8_specs.error["w"], qt.Quantized)
+    assert int8_specs.error["w"].codes == P("data")
+    assert int8_specs.error["w"].scales == P("data")
     assert powersgd_specs.count == P()
     assert powersgd_specs.q["w"] == P() and powersgd_specs.q["b"] is None
     assert powersgd_specs.error["w"] == P("data")
