@@ -252,7 +252,7 @@ def _settle_carry(
     carry: Sequence[Any],
     xs: Sequence[Any],
     xs_avals: Sequence[Any],
-) -> tuple[_Body, list[Callable], Any]:
+) -> tuple[_Body, list[Any], Any]:
     """Traces the body once (twice if a compressed carry must start dense) and
     returns it with the plan that keeps each carry's type fixed, and its output
     shapes."""

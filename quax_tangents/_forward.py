@@ -166,7 +166,7 @@ def forward_grad(
 
     def one_direction(key: PRNGKeyArray) -> tuple[Scalar, Scalar, PyTree]:
         direction = _draw_tree(recipes, treedef, key)
-        value, derivative = jvp(fn, (params,), (direction,))
+        value, derivative = jvp(fn, (params,), (direction,))[:2]
         _check_scalar_output(value)
         # A scalar tangent may still be a compressed value (a `Sparse` of shape ()).
         return value, materialise_values(derivative), direction

@@ -81,7 +81,7 @@ def as_array(name: str, x: Any) -> jax.Array:
 def check_key(name: str, key: Any, *, none_means: str = "") -> None:
     """A typed key (`jax.random.key`) or a raw uint32 key (`jax.random.PRNGKey`)."""
     dtype = getattr(key, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return
     if dtype == jnp.uint32 and jnp.shape(key)[-1:] == (2,):
         return

@@ -81,7 +81,7 @@ def install_checks(cls: type, spec: Spec) -> None:
             if own is not None:
                 own(self)
 
-        cls.__check_init__ = __check_init__
+        cls.__check_init__ = __check_init__  # pyright: ignore[reportAttributeAccessIssue]
         return
     if cls.__init__ is object.__init__:
         cls.__init__ = _plain_init(cls, [name for name, _ in spec.fields])
@@ -94,7 +94,7 @@ def install_checks(cls: type, spec: Spec) -> None:
 
     cls.__init__ = __init__
     if cls.__repr__ is object.__repr__:
-        cls.__repr__ = _plain_repr
+        cls.__repr__ = _plain_repr  # pyright: ignore[reportAttributeAccessIssue]
 
 
 # ---------------------------------------------------------------------------------------

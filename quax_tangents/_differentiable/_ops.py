@@ -32,7 +32,7 @@ from ._tangent import (
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape) if isinstance(x, quax.Value) else jnp.shape(x)
+    return tuple(x.shape) if isinstance(x, quax.ArrayValue) else jnp.shape(x)
 
 
 def _move_leaf(x: Any, t: Any, where: str) -> Any:

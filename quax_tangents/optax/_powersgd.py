@@ -45,7 +45,7 @@ class PowerSGDState(NamedTuple):
         [`quax_tangents.Quantized`][]. Per device.
     """
 
-    count: Array
+    count: Array  # pyright: ignore[reportIncompatibleMethodOverride]
     q: PyTree
     error: PyTree
 
@@ -262,14 +262,14 @@ def powersgd(
         else:
             out, qs, errors = lax.cond(
                 count >= start_iter,
-                lambda args: compressed_step(plan, *args, count),
+                lambda args: compressed_step(plan, *args, count),  # pyright: ignore[reportCallIssue]
                 lambda args: dense_step(*args),
                 (leaves, qs, errors),
             )
         new_state = PowerSGDState(
             # Saturates instead of wrapping negative, which would turn compression
             # off after `start_iter` in a long run.
-            optax.safe_int32_increment(count),
+            jnp.asarray(optax.safe_int32_increment(count)),
             None if state.q is None else treedef.unflatten(qs),
             None if state.error is None else treedef.unflatten(errors),
         )
