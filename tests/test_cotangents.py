@@ -1,6 +1,7 @@
 """Cotangents that are born compressed: `factored_cotangent`, `projected_cotangent`
 and `sparse_rows_cotangent`, checked against dense reference math."""
 
+import pathlib
 import re
 
 import equinox as eqx
@@ -295,6 +296,10 @@ READS = {
     "Embedding": lambda table, ids: jax.vmap(jax.vmap(eqx.nn.Embedding(weight=table)))(
         ids
     ),
+    # One scalar read at a time: a dynamic_slice each, not a gather.
+    "Embedding, scalar": lambda table, ids: jnp.stack(
+        [eqx.nn.Embedding(weight=table)(i) for i in ids.ravel()]
+    ).reshape(ids.shape + (table.shape[1],)),
 }
 
 
@@ -359,11 +364,16 @@ def _hlo_losses():
         "factored": matmul(qt.factored_cotangent),
         "projected": matmul(lambda w: qt.projected_cotangent(w, RANK)),
         "given": matmul(lambda w: qt.projected_cotangent(w, RANK, projector=p)),
+        "switch": matmul(
+            lambda w: qt.projected_cotangent(
+                w, RANK, projector=qt.Projector(p, jnp.sum(w) > 0)
+            )
+        ),
         "plain": matmul(lambda w: w),
     }
 
 
-@pytest.mark.parametrize("mark", ["factored", "projected", "given"])
+@pytest.mark.parametrize("mark", ["factored", "projected", "given", "switch"])
 def test_no_weight_shaped_buffer_in_the_compiled_gradient(mark):
     w = random_array(0, (24, 40))
     losses = _hlo_losses()
@@ -407,3 +417,15 @@ def test_bad_inputs_have_clear_errors():
         qt.Projector(jnp.ones((4, 2)), jnp.ones(2, bool))
     with pytest.raises(ValueError, match="`iters` must be a non-negative int"):
         qt.projected_cotangent(w, 2, iters=-1)
+
+
+def test_the_docs_page_runs():
+    page = pathlib.Path(__file__).parents[1] / "docs" / "cotangents.md"
+    snippets = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    namespace = {}
+    for snippet in snippets:
+        exec(compile(snippet, "docs/cotangents.md", "exec"), namespace)
+    assert isinstance(namespace["g_embedding"], qt.SparseRows)
+    assert namespace["g_embedding"].k == 4
+    assert isinstance(namespace["g_w"], qt.LowRank)
+    assert namespace["projector"].matrix.shape == (32, 4)

@@ -230,3 +230,16 @@ def _gather():
         return Case(fn, (w, jnp.asarray(ids)), out_type=jax.Array)
 
     return draw_case()
+
+
+@case("dynamic_slice", "Marked", "dense", "dense")
+def _dynamic_slice():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked(transposed=False))
+        row = jnp.asarray(draw(st.integers(-1, w.shape[0])), jnp.int32)
+        size = (1, w.shape[1])
+        fn = lambda table, r: jax.lax.dynamic_slice(table, (r, 0), size)  # noqa: E731
+        return Case(fn, (w, row), out_type=jax.Array)
+
+    return draw_case()
