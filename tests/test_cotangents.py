@@ -283,6 +283,18 @@ def test_a_mark_inside_jit_within_the_loss():
     assert_close(grad, p @ (p.T @ jax.grad(lambda w: jnp.sum(x @ w))(w)))
 
 
+def test_a_mark_reused_from_a_cache_by_plain_jax_is_an_error():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+
+    @jax.jit
+    def inner(w):
+        return x @ qt.projected_cotangent(w, RANK)
+
+    qt.grad(lambda w: jnp.sum(inner(w)))(w)
+    with pytest.raises(RuntimeError, match="jax.clear_caches"):
+        jax.grad(lambda w: jnp.sum(inner(w)))(w)
+
+
 # ---------------------------------------------------------------------------------------
 # sparse_rows_cotangent
 
