@@ -338,6 +338,23 @@ def test_sparse_rows_cotangent_stores_each_row_read_once(read):
     assert sorted(stored) == sorted(set(np.asarray(IDS).ravel().tolist()))
 
 
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_out_of_bounds_reads_match_plain_jax(mode):
+    table = random_array(0, (V, D))
+    ids = jnp.asarray([2, V + 3, -V - 1, 2])
+
+    def loss(table, marked):
+        if marked:
+            table = qt.sparse_rows_cotangent(table)
+        rows = jnp.take(table, ids, axis=0, mode=mode, fill_value=0.0)
+        return jnp.sum(jnp.sin(rows) * jnp.arange(D))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(table, True)
+    assert isinstance(grad, qt.SparseRows)
+    assert_close(grad, jax.grad(loss)(table, False))
+
+
 def test_a_tied_table_adds_a_dense_term_counted():
     table = random_array(0, (V, D))
     h = random_array(1, (3, D))
