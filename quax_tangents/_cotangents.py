@@ -300,10 +300,6 @@ def inner_layer(fn: Callable) -> Callable:
 # The mark: an identity whose backward pass finishes the total cotangent
 
 
-def _finished(spec: Finish, w: Any, *operands: Any) -> Any:
-    return _finished_vjp(spec, w, *operands)
-
-
 def _finished_fwd(spec: Finish, w: Any, *operands: Any) -> tuple[Any, tuple]:
     return w, operands
 
@@ -314,8 +310,9 @@ def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
     return (finish_p.bind(ct, *operands, spec=spec), *(None for _ in operands))
 
 
-_finished_vjp = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
-_finished_vjp.defvjp(_finished_fwd, _finished_bwd)
+# The identity on `w`; `spec` and the operands only parameterise the backward pass.
+_finished = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
+_finished.defvjp(_finished_fwd, _finished_bwd)
 
 
 mark_p = jexc.Primitive("mark_cotangent")
