@@ -17,6 +17,7 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
+from . import _cotangents
 from ._arguments import (
     argnums_positions,
     as_pytree_callable,
@@ -279,9 +280,9 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
     def run(fn: Callable, *primals: Any) -> Any:
         if has_aux:
             fn = returning_pair(fn, "vjp")
-        return jax.vjp(fn, *primals, has_aux=has_aux)
+        return jax.vjp(_cotangents.inner_layer(fn), *primals, has_aux=has_aux)
 
-    result = _enter_trace(run)(fn, *primals)
+    result = _cotangents.traced_with_marks(lambda: _enter_trace(run)(fn, *primals))
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
 
@@ -333,13 +334,15 @@ def _value_and_grad(
 
             if has_aux:
                 of_selected = returning_pair(of_selected, entry)
-            out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
+            out, pullback, *aux = jax.vjp(
+                _cotangents.inner_layer(of_selected), *selected, has_aux=has_aux
+            )
             check_scalar_output(entry, out)
             grads = pullback(jnp.ones_like(out))
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
 
-        return _enter_trace(run)(pytree_fn, args)
+        return _cotangents.traced_with_marks(lambda: _enter_trace(run)(pytree_fn, args))
 
     return value_and_grad_fn
 
