@@ -144,10 +144,16 @@ def returning_pair(fn: Callable, entry: str) -> Callable:
 
 
 def check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
-    """Like `jax.grad`, refuse integer inputs rather than return `float0` zeros."""
+    """Like `jax.grad`, refuse integer arrays rather than return `float0` zeros.
+
+    Python bools and ints stay allowed: in a Module they are settings (a dropout's
+    `inference` flag, say), and their gradient is a `float0` zero as in JAX's
+    `allow_int=True`."""
     for position, arg in zip(positions, selected):
         for path, leaf in jtu.tree_leaves_with_path(arg, is_leaf=is_value):
-            if jnp.issubdtype(dtype_of(leaf), jnp.inexact):
+            if isinstance(leaf, (bool, int)) or jnp.issubdtype(
+                dtype_of(leaf), jnp.inexact
+            ):
                 continue
             which = f"its leaf {jtu.keystr(path)}" if path else "it"
             raise TypeError(

@@ -440,6 +440,12 @@ def test_gradients_of_integer_inputs_are_refused(entry):
     out = transform(lambda w, n: jnp.sum(w * n), argnums=0)(W[0], jnp.arange(10))
     grads = out[1] if entry == "value_and_grad" else out
     assert_close(grads, jnp.arange(10.0))
+    # Python bools and ints are settings (as in an Equinox Module), not data.
+    out = transform(lambda d: jnp.sum(d["w"]) * d["scale"])(
+        {"w": W[0], "flag": True, "scale": 2}
+    )
+    grads = out[1] if entry == "value_and_grad" else out
+    assert_close(grads["w"], jnp.full(W[0].shape, 2.0))
 
 
 def test_jvp_needs_tuples_of_primals_and_tangents():
