@@ -24,15 +24,28 @@ def step(params, state, batch):  # runs on each device
 ```
 """
 
+from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import CompressState as CompressState, compress as compress
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
+from ._projected import (
+    ProjectedState as ProjectedState,
+    Projector as Projector,
+    projected as projected,
+    projectors as projectors,
+)
 from ._specs import partition_specs as partition_specs
 
 
 __all__ = [
     "CompressState",
     "PowerSGDState",
+    "ProjectedState",
+    "Projector",
+    "apply_updates",
     "compress",
+    "lift",
     "partition_specs",
     "powersgd",
+    "projected",
+    "projectors",
 ]
