@@ -20,6 +20,12 @@ from ._collective import (
     PowerSum as PowerSum,
     all_reduce as all_reduce,
 )
+from ._cotangents import (
+    Projector as Projector,
+    factored_cotangent as factored_cotangent,
+    projected_cotangent as projected_cotangent,
+    sparse_rows_cotangent as sparse_rows_cotangent,
+)
 from ._devices import device_varying as device_varying
 from ._differentiable import (
     Differentiable as Differentiable,

@@ -18,6 +18,7 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
+from . import _cotangents
 from ._primitives import compress_p, outer_p
 
 
@@ -394,7 +395,11 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
     `(primal_out, pullback)` or `(primal_out, pullback, aux)`.
     """
     fn, primals = _through_views(as_pytree_callable(fn), primals)
-    result = _enter_trace(ft.partial(jax.vjp, has_aux=has_aux))(fn, *primals)
+
+    def forward(fn, *primals):
+        return jax.vjp(_cotangents.inner_layer(fn), *primals, has_aux=has_aux)
+
+    result = _cotangents.traced_with_marks(lambda: _enter_trace(forward)(fn, *primals))
     pullback = _apply_linear(result[1], "cotangents")
     return (result[0], pullback, *result[2:])
 
@@ -445,13 +450,15 @@ def value_and_grad(
                     full[position] = value
                 return pytree_fn(*full)
 
-            out, pullback, *aux = jax.vjp(of_selected, *selected, has_aux=has_aux)
+            out, pullback, *aux = jax.vjp(
+                _cotangents.inner_layer(of_selected), *selected, has_aux=has_aux
+            )
             _check_scalar_output(out)
             grads = pullback(jnp.ones_like(out))
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
 
-        return _enter_trace(run)(pytree_fn, args)
+        return _cotangents.traced_with_marks(lambda: _enter_trace(run)(pytree_fn, args))
 
     return value_and_grad_fn
 

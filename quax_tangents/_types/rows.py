@@ -14,8 +14,11 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
-from .._base import CompressedArray
+from .._base import CompressedArray, densify
 from .._devices import axis_size, gather_along
+from .._fallback import record_densification
+from .._lax import add_any_p
+from .._registry import rule
 
 
 _INDEX_DTYPE = jnp.int32
@@ -144,3 +147,112 @@ class SparseRows(CompressedArray):
             return super().inner(other)
         # Only the stored rows meet nonzeros.
         return jnp.sum(jnp.conj(self.rows) * other[self.indices])
+
+
+# ---------------------------------------------------------------------------------------
+# Rules
+
+
+def _row_factor(y: Array, x: SparseRows) -> Array | None:
+    """The rows of a dense factor `y` that meet `x`'s stored rows, or `None` when `y`
+    does not broadcast against `x` without changing its shape."""
+    if jnp.ndim(y) == 0:
+        return y
+    if jnp.ndim(y) > x.ndim or jnp.broadcast_shapes(y.shape, x.shape) != x.shape:
+        return None
+    y = jnp.reshape(y, (1,) * (x.ndim - y.ndim) + y.shape)
+    return y if y.shape[0] == 1 else y[x.indices]
+
+
+def _scale(x: SparseRows, y: ArrayLike, params: dict) -> SparseRows | Array:
+    y = jnp.asarray(y)
+    factor = _row_factor(y, x)
+    if factor is None or jnp.result_type(x.rows, y) != x.dtype:
+        return densify(jax.lax.mul_p, [x, y], params, reason="the product broadcasts")
+    return SparseRows.build(x.indices, x.rows * factor, x.num_rows)
+
+
+@rule(jax.lax.mul_p)
+def _mul_dense_right(x: SparseRows, y: ArrayLike, **params: Any) -> SparseRows | Array:
+    return _scale(x, y, params)
+
+
+@rule(jax.lax.mul_p)
+def _mul_dense_left(y: ArrayLike, x: SparseRows, **params: Any) -> SparseRows | Array:
+    return _scale(x, y, params)
+
+
+@rule(jax.lax.neg_p)
+def _neg(x: SparseRows) -> SparseRows:
+    return SparseRows.build(x.indices, -x.rows, x.num_rows)
+
+
+@rule(jax.lax.copy_p)
+def _copy(x: SparseRows) -> SparseRows:
+    return x
+
+
+@rule(jax.lax.convert_element_type_p)
+def _convert(x: SparseRows, *, new_dtype: Any, **params: Any) -> SparseRows | Array:
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return densify(
+            jax.lax.convert_element_type_p,
+            [x],
+            dict(new_dtype=new_dtype, **params),
+            reason="a non-floating result has no tangent-like row-sparse form",
+        )
+    return SparseRows.build(x.indices, x.rows.astype(new_dtype), x.num_rows)
+
+
+def _concat(primitive: Any, x: SparseRows, y: SparseRows, sign: int) -> Any:
+    if (x.shape, x.dtype) != (y.shape, y.dtype):
+        return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
+    rows = y.rows if sign > 0 else -y.rows
+    return SparseRows.build(
+        jnp.concatenate([x.indices, y.indices]),
+        jnp.concatenate([x.rows, rows]),
+        x.num_rows,
+    )
+
+
+@rule(add_any_p)
+def _add_any(x: SparseRows, y: SparseRows) -> SparseRows | Array:
+    return _concat(add_any_p, x, y, 1)
+
+
+@rule(jax.lax.add_p)
+def _add(x: SparseRows, y: SparseRows) -> SparseRows | Array:
+    return _concat(jax.lax.add_p, x, y, 1)
+
+
+@rule(jax.lax.sub_p)
+def _sub(x: SparseRows, y: SparseRows) -> SparseRows | Array:
+    return _concat(jax.lax.sub_p, x, y, -1)
+
+
+def _plus_dense(primitive: Any, x: SparseRows, y: ArrayLike, sign: int = 1) -> Array:
+    if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
+        return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
+    record_densification(primitive.name, ("SparseRows",), "a sum with a dense array")
+    rows = x.rows if sign > 0 else -x.rows
+    return jnp.asarray(y).at[x.indices].add(rows, mode="drop")
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_right(x: SparseRows, y: ArrayLike) -> Array:
+    return _plus_dense(add_any_p, x, y)
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_left(y: ArrayLike, x: SparseRows) -> Array:
+    return _plus_dense(add_any_p, x, y)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_dense_right(x: SparseRows, y: ArrayLike) -> Array:
+    return _plus_dense(jax.lax.add_p, x, y)
+
+
+@rule(jax.lax.add_p, dense_output=True)
+def _add_dense_left(y: ArrayLike, x: SparseRows) -> Array:
+    return _plus_dense(jax.lax.add_p, x, y)

@@ -1,0 +1,73 @@
+"""`OuterSum`: a weight gradient `X^T C` kept as its two factors while the backward
+pass accumulates it.
+
+It exists only between the `dot_general`s where a marked weight is used (see
+`quax_tangents._cotangents`) and the point where the weight's total cotangent is
+finished into its final form (a `LowRank` under the rank budget, or a projection).
+Unlike `LowRank` it has no rank budget: its rank is the number of rows contracted
+(batch times sequence), often larger than the matrix's sides, and that is fine for
+the few products the finishing step takes of it.
+
+Every rule this representation registers lives in this file.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from .._base import CompressedArray, densify
+from .._fallback import record_densification
+from .._lax import add_any_p
+from .._registry import rule
+
+
+class OuterSum(CompressedArray):
+    """The matrix `left @ right.T` of shape `(m, n)`, a sum of `B` outer products.
+
+    **Arguments:**
+
+    - `left`: floating array `(m, B)`.
+    - `right`: floating array `(n, B)` of the same dtype.
+    """
+
+    left: Float[Array, "m B"]
+    right: Float[Array, "n B"]
+
+    def aval(self) -> jax.core.ShapedArray:
+        shape = (self.left.shape[0], self.right.shape[0])
+        return jax.core.ShapedArray(shape, self.left.dtype)
+
+    def materialise(self) -> Array:
+        return self.left @ self.right.T
+
+
+@rule(add_any_p)
+def _add_any(x: OuterSum, y: OuterSum) -> OuterSum | Array:
+    if (x.shape, x.dtype) != (y.shape, y.dtype):
+        return densify(add_any_p, [x, y], {}, reason="shapes or dtypes differ")
+    left = jnp.concatenate([x.left, y.left], axis=-1)
+    return OuterSum(left, jnp.concatenate([x.right, y.right], axis=-1))
+
+
+def _plus_dense(x: OuterSum, y: ArrayLike) -> Array:
+    if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
+        return densify(add_any_p, [x, y], {}, reason="shapes or dtypes differ")
+    record_densification(add_any_p.name, ("OuterSum",), "a sum with a dense array")
+    return y + x.materialise()
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_right(x: OuterSum, y: ArrayLike) -> Array:
+    return _plus_dense(x, y)
+
+
+@rule(add_any_p, dense_output=True)
+def _add_any_dense_left(y: ArrayLike, x: OuterSum) -> Array:
+    return _plus_dense(x, y)
+
+
+def outer_sum_factors(x: Any) -> tuple[Array, Array] | None:
+    """`(left, right)` of an `OuterSum`, or `None` for anything else."""
+    return (x.left, x.right) if isinstance(x, OuterSum) else None
