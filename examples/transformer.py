@@ -256,6 +256,9 @@ class Arm:
     step: Callable
     grad: Callable  # (params, state, batch, key) -> gradients, for their bytes
     marked: frozenset[str]  # paths whose gradient is compressed
+    # The step on a step that keeps the projectors (the loss gets them as arrays):
+    # what most steps run, without the refresh branch in the compiled program.
+    steady: Callable
 
 
 def _mark(params: dict, projectors: dict, rank: int, key: jax.Array, rows: bool):
@@ -303,28 +306,39 @@ def make_arms(config: Config, static: Split, params: dict) -> list[Arm]:
         def grad(params, state, batch, key):
             return jax.grad(loss)(params, static, batch)
 
-        return Arm(name, tx, step, grad, frozenset())
+        return Arm(name, tx, step, grad, frozenset(), step)
 
     def compressed(tx: optax.GradientTransformation, name: str, rows: bool) -> Arm:
         def marked_loss(params, projectors, batch, key):
-            return loss(_mark(params, projectors, config.rank, key, rows), static, batch)
+            return loss(
+                _mark(params, projectors, config.rank, key, rows), static, batch
+            )
 
         def grad(params, state, batch, key):
             projectors = qto.projectors(state)
             return qt.grad(marked_loss)(params, projectors, batch, key)
 
-        def step(params, state, batch, key):
+        def step(params, state, batch, key, keep=False):
             projectors = qto.projectors(state)
+            if keep:
+                projectors = jax.tree.map(
+                    lambda p: p.matrix,
+                    projectors,
+                    is_leaf=lambda x: isinstance(x, qt.Projector),
+                )
             value, grads = qt.value_and_grad(marked_loss)(
                 params, projectors, batch, key
             )
             updates, state = tx.update(grads, state, params)
             return qto.apply_updates(params, updates), state, value
 
+        def steady(params, state, batch, key):
+            return step(params, state, batch, key, keep=True)
+
         marked = {p for p in paths if not is_embedding(p)}
         if rows:
             marked |= {p for p in paths if is_embedding(p)}
-        return Arm(name, tx, step, grad, frozenset(marked))
+        return Arm(name, tx, step, grad, frozenset(marked), steady)
 
     return [
         dense(adam, ARMS[0]),
@@ -399,14 +413,29 @@ class Measures:
     temp_bytes: int
     state_bytes: int
     grad_bytes: int
-    flops: float
+    flops: float  # the compiled step, every branch counted
+    steady_flops: float  # a step that keeps the projectors
+    steady_temp_bytes: int
     intermediates: list[str]
     grad_leaf_bytes: dict[str, int]
+    grad_factor_bytes: dict[str, int]  # the larger factor of each LowRank gradient
 
 
 def measure(arm: Arm, compiled: Any, params: Any, state: Any, batch, key) -> Measures:
     grads = jax.eval_shape(arm.grad, params, state, batch, key)
+    steady = compiled
+    if arm.steady is not arm.step:
+        steady = (
+            jax.jit(arm.steady, donate_argnums=(0, 1))
+            .lower(params, state, batch, key)
+            .compile()
+        )
     leaf_bytes = {name: tree_bytes(leaf) for name, leaf in grads.items()}
+    factor_bytes = {
+        name: max(tree_bytes(leaf.left), tree_bytes(leaf.right))
+        for name, leaf in grads.items()
+        if isinstance(leaf, qt.LowRank)
+    }
     shapes = {leaf.shape for leaf in params.values() if leaf.ndim == 2}
     shapes |= {s[::-1] for s in shapes}
     return Measures(
@@ -414,8 +443,11 @@ def measure(arm: Arm, compiled: Any, params: Any, state: Any, batch, key) -> Mea
         state_bytes=tree_bytes(state),
         grad_bytes=tree_bytes(grads),
         flops=compiled.cost_analysis()["flops"],
+        steady_flops=steady.cost_analysis()["flops"],
+        steady_temp_bytes=steady.memory_analysis().temp_size_in_bytes,
         intermediates=weight_shaped_intermediates(compiled.as_text(), shapes),
         grad_leaf_bytes=leaf_bytes,
+        grad_factor_bytes=factor_bytes,
     )
 
 
@@ -461,7 +493,9 @@ def validation_loss(params: Any, static: Any, data: jax.Array) -> jax.Array:
     return jnp.mean(jax.lax.map(lambda b: loss(params, static, b), data))
 
 
-def train(arm: Arm, config: Config, params: Any, static: Any, train_data, val_data, seed):
+def train(
+    arm: Arm, config: Config, params: Any, static: Any, train_data, val_data, seed
+):
     state = arm.tx.init(params)
     key = jax.random.key(seed)
     batch0 = jnp.asarray(train_data[0])
@@ -476,7 +510,9 @@ def train(arm: Arm, config: Config, params: Any, static: Any, train_data, val_da
     start = time.perf_counter()
     for t in tqdm(range(config.steps), desc=arm.name, leave=False):
         batch = jnp.asarray(train_data[t])
-        params, state, value = compiled(params, state, batch, jax.random.fold_in(key, t))
+        params, state, value = compiled(
+            params, state, batch, jax.random.fold_in(key, t)
+        )
         losses.append(value)
     losses = [float(v) for v in losses]
     seconds = time.perf_counter() - start
@@ -524,7 +560,9 @@ class Target:
     numbers: str
 
 
-def check_targets(runs: list[Run], params: Any, config: Config) -> list[Target]:
+def check_targets(
+    runs: list[Run], ratios: list[float], params: Any, config: Config
+) -> list[Target]:
     galore = runs[1]
     r = config.rank
     saving, _ = analytic_saving(params, config)
@@ -551,39 +589,57 @@ def check_targets(runs: list[Run], params: Any, config: Config) -> list[Target]:
                 f"difference {difference:,}; arm 2's projectors {galore_projector:,}",
             )
         )
-        worst, detail = 0.0, ""
+        worst, worst_factor, detail = 0.0, 0.0, ""
         for path, w in weights.items():
             if is_embedding(path):
                 continue
-            got = m.grad_leaf_bytes.get(path, 0)
-            ratio = got / (math.prod(w.shape) * 4) / (r / min(w.shape))
+            bound = math.prod(w.shape) * 4 * r / min(w.shape)
+            ratio = m.grad_leaf_bytes.get(path, 0) / bound
+            worst_factor = max(worst_factor, m.grad_factor_bytes.get(path, 0) / bound)
             if ratio > worst:
-                worst, detail = ratio, f"{path} {w.shape}: {got:,} bytes"
-        small_factor_ratio = 1.0  # the (max, r) factor is exactly r/min(m, n) of dense
+                worst = ratio
+                detail = f"{path} {w.shape}: {m.grad_leaf_bytes[path]:,} bytes"
+        table = [p for p in weights if is_embedding(p)][0]
+        table_bytes = m.grad_leaf_bytes[table]
+        rows_read = config.batch * config.seq
+        rows_bound = rows_read * (weights[table].shape[1] * 4 + 8)
+        table_ok = table not in run.arm.marked or table_bytes <= rows_bound
         targets.append(
             Target(
                 f"{name}: gradient bytes at most r/min(m, n) of dense per projected "
-                "weight",
-                worst <= 1.0 + 1e-9,
-                f"worst ratio to r/min(m, n): {worst:.3f} ({detail}); the small factor "
-                f"alone is {small_factor_ratio:.3f}, the rest is the projector factor",
+                "weight (plus the rows read, for a row-sparse table)",
+                worst <= 1.0 + 1e-9 and table_ok,
+                f"worst ratio to the bound: {worst:.3f} ({detail}); the factor that "
+                f"is not the projector alone: {worst_factor:.3f}. The table's "
+                f"gradient: {table_bytes:,} bytes; dense "
+                f"{math.prod(weights[table].shape) * 4:,}; {rows_read:,} rows read "
+                f"allow {rows_bound:,}",
             )
         )
-        measured = galore.measures.flops - m.flops
+        measured = galore.measures.steady_flops - m.steady_flops
         targets.append(
             Target(
-                f"{name}: FLOPs below arm 2's by the saving of never forming X^T C",
-                m.flops < galore.measures.flops,
-                f"{m.flops:,.0f} vs {galore.measures.flops:,.0f}: measured saving "
-                f"{measured:,.0f}, analytic {saving:,.0f}",
+                f"{name}: FLOPs below arm 2's by the saving of never forming X^T C "
+                "(steps that keep the projectors)",
+                m.steady_flops < galore.measures.steady_flops,
+                f"{m.steady_flops:,.0f} vs {galore.measures.steady_flops:,.0f}: "
+                f"measured saving {measured:,.0f}, analytic {saving:,.0f}",
             )
         )
         gap = (run.val_loss - galore.val_loss) / galore.val_loss
         targets.append(
             Target(
-                f"{name}: validation loss within 3% of arm 2's",
-                abs(gap) <= 0.03,
+                f"{name}: validation loss at most 3% above arm 2's",
+                gap <= 0.03,
                 f"{run.val_loss:.4f} vs {galore.val_loss:.4f} ({gap:+.1%})",
+            )
+        )
+        relative = ratios[runs.index(run)] / ratios[1]
+        targets.append(
+            Target(
+                f"{name}: step time at most arm 2's",
+                relative <= 1.0,
+                f"{relative:.2f} of arm 2's",
             )
         )
     return targets
@@ -608,23 +664,34 @@ def report(runs, ratios, targets, params, config, quick, vocabulary, chars) -> s
         f"batches of {config.batch} x {config.seq}; {config.steps} steps; learning "
         f"rate {config.learning_rate}; rank r = {config.rank}, projectors refreshed "
         f"every {config.refresh_every} steps.",
-        "- Bytes and FLOPs come from the compiled training step "
-        "(`memory_analysis()`, `cost_analysis()`); gradient bytes count the fields "
-        "of compressed values. Step time is the median over interleaved rounds, as "
-        "a ratio to arm 1; wall time includes nothing but the training steps.",
+        "- Bytes and FLOPs come from the compiled training step (jitted with the "
+        "parameters and state donated; `memory_analysis()`, `cost_analysis()`). "
+        "Gradient bytes count the fields of compressed values. *Every branch*: the "
+        "program every step runs; XLA counts the FLOPs of both branches of the "
+        "projector refresh, and for arms 3 and 4 that is the range finder on the "
+        "implicit gradient, run only every "
+        f"{config.refresh_every} steps. *Steady step*: a step that keeps the "
+        "projectors (arms 3 and 4 compiled with the projectors passed as arrays; "
+        "for arms 1 and 2 the same program, as XLA counts no FLOPs for the SVD "
+        "that arm 2's refresh calls).",
+        "- Step time is the median over rounds that interleave the arms, as a "
+        "ratio to arm 1; training time counts the training steps only, after "
+        "compilation, on a shared machine.",
         *(["- Quick mode: a smoke run, not a result."] if quick else []),
         "",
-        "| arm | temp bytes | optimiser state bytes | gradient bytes | FLOPs "
+        "| arm | temp bytes | temp bytes, steady step | optimiser state bytes "
+        "| gradient bytes | FLOPs, steady step | FLOPs, every branch "
         "| weight-shaped intermediates | step time / arm 1 | training time (s) "
         "| final training loss | validation loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, ratio in zip(runs, ratios):
         m = run.measures
         tail = float(np.mean(run.losses[-max(1, len(run.losses) // 20) :]))
         lines.append(
-            f"| {run.arm.name} | {m.temp_bytes:,} | {m.state_bytes:,} "
-            f"| {m.grad_bytes:,} | {m.flops:,.0f} | {len(m.intermediates)} "
+            f"| {run.arm.name} | {m.temp_bytes:,} | {m.steady_temp_bytes:,} "
+            f"| {m.state_bytes:,} | {m.grad_bytes:,} | {m.steady_flops:,.0f} "
+            f"| {m.flops:,.0f} | {len(m.intermediates)} "
             f"| {ratio:.2f} | {run.seconds:.1f} | {tail:.4f} | {run.val_loss:.4f} |"
         )
     lines += [
@@ -634,12 +701,39 @@ def report(runs, ratios, targets, params, config, quick, vocabulary, chars) -> s
         "| target | met | numbers |",
         "|---|---|---|",
     ]
-    lines += [f"| {t.what} | {'met' if t.met else 'missed'} | {t.numbers} |" for t in targets]
+    lines += [
+        f"| {t.what} | {'met' if t.met else 'missed'} | {t.numbers} |" for t in targets
+    ]
     lines += [
         "",
-        "Step time: arms 3 and 4 against arm 2: "
-        + ", ".join(f"{r / ratios[1]:.2f}" for r in ratios[2:])
-        + " (target: at most 1).",
+        "Weight-shaped intermediates of arms 3 and 4 (name in the compiled HLO: "
+        "what it is):",
+        "",
+        *[
+            f"- {run.arm.name}: " + ("; ".join(run.measures.intermediates) or "none")
+            for run in runs[2:]
+        ],
+        "",
+        "## Notes",
+        "",
+        f"- A step reads {config.batch * config.seq:,} rows of a {vocabulary}-row "
+        "table. The `SparseRows` gradient stores one entry per row read, so for a "
+        "character vocabulary it is larger than the dense table; the lazy update "
+        "first sums it into the distinct rows, at most min(rows read, V) of them, "
+        "which here is a buffer of the table's shape (the intermediates of arm 4). "
+        "Row-sparse gradients pay for tables with many more rows than a step reads.",
+        "- A projected gradient is `LowRank(P, G^T P)`: the factor `G^T P` is "
+        "exactly r/min(m, n) of the dense bytes, and the other factor is the "
+        "projector the loss was given (on steps that keep it, the optimiser's own "
+        "array passed through, not a new buffer).",
+        "- Arm 3 leaves the embedding table unmarked: it is read by a gather, not a "
+        "matrix product, so a projection could not avoid its dense gradient; the "
+        "optimiser projects that gradient after the fact (the intermediates of "
+        "arm 3).",
+        "- Arms 3 and 4 draw a fresh projector with a randomized range finder on the "
+        "implicit gradient; arm 2 takes the SVD of the dense gradient, and projects "
+        "the other side of each weight (`optax.contrib.galore` keeps state of "
+        "r x min(m, n) and a projector of max(m, n) x r; arms 3 and 4 the reverse).",
         "",
         f"Analytic FLOPs saving of never forming X^T C, per step: {saving:,.0f}",
         "",
@@ -687,7 +781,7 @@ def main(out: pathlib.Path, quick: bool = False, seed: int = 0) -> list[Run]:
             runs, jnp.asarray(train_data[0]), config.timing_rounds, seed
         )
     ratios = [s / seconds[0] for s in seconds]
-    targets = check_targets(runs, params, config)
+    targets = check_targets(runs, ratios, params, config)
     text = report(
         runs, ratios, targets, params, config, quick, len(vocabulary), len(tokens)
     )

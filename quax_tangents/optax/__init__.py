@@ -29,7 +29,6 @@ from ._compress import CompressState as CompressState, compress as compress
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
 from ._projected import (
     ProjectedState as ProjectedState,
-    Projector as Projector,
     projected as projected,
     projectors as projectors,
 )
@@ -40,7 +39,6 @@ __all__ = [
     "CompressState",
     "PowerSGDState",
     "ProjectedState",
-    "Projector",
     "apply_updates",
     "compress",
     "lift",

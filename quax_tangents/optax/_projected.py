@@ -11,6 +11,7 @@ import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
 from .._base import CompressedArray
+from .._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed, reject_compressed
@@ -34,14 +35,6 @@ class ProjectedState(NamedTuple):
     refresh: Bool[Array, ""]
     projector: PyTree
     base_state: Any
-
-
-class Projector(NamedTuple):
-    """What [`quax_tangents.optax.projectors`][] gives per projected leaf: the
-    current projector and whether this step replaces it, both as arrays."""
-
-    matrix: Array
-    refresh: Bool[Array, ""]
 
 
 _ONLY = (
@@ -143,11 +136,12 @@ def _rebuild(shape: tuple[int, ...], projector: Array, factor: Array) -> LowRank
 
 def _distinct_rows(grad: SparseRows) -> tuple[Array, Array]:
     """The distinct rows read (sorted; unused slots hold `num_rows`, out of range)
-    and each one's summed gradient row."""
-    k = grad.k
-    rows = jnp.unique(grad.indices, size=k, fill_value=grad.num_rows)
+    and each one's summed gradient row. There are at most `min(k, num_rows)`."""
+    size = min(grad.k, grad.num_rows)
+    rows = jnp.unique(grad.indices, size=size, fill_value=grad.num_rows)
     position = jnp.searchsorted(rows, grad.indices)
-    summed = jnp.zeros_like(grad.rows).at[position].add(grad.rows)
+    summed = jnp.zeros((size, *grad.row_shape), grad.dtype)
+    summed = summed.at[position].add(grad.rows)
     return rows, summed
 
 
@@ -251,7 +245,9 @@ def projected(
     state (Adam's moments) is left as it was, not decayed. Fields of the state that
     are not per element (Adam's step count, and so its bias correction) advance
     every step, whether a row is read or not. A row read several times in one step
-    is updated once, with its gradients summed. Lazy updates need a `base` whose
+    is updated once, with its gradients summed, and the update stores each row
+    read once (at most `num_rows` rows, however many were read). A stored row
+    counts as read even when its values are zero. Lazy updates need a `base` whose
     state per parameter is elementwise (`scale_by_adam`, `scale_by_rms`,
     `trace`...).
 
@@ -397,10 +393,9 @@ def projectors(state: Any) -> PyTree:
 
     **Returns:**
 
-    A pytree with the parameters' structure: a
-    [`quax_tangents.optax.Projector`][] for each projected leaf (the current
-    projector, and whether this step replaces it by a fresh one) and `None`
-    elsewhere.
+    A pytree with the parameters' structure: a [`quax_tangents.Projector`][] for
+    each projected leaf (the current projector, and whether this step replaces it
+    by a fresh one) and `None` elsewhere.
     """
     found = [
         node

@@ -188,7 +188,8 @@ def test_sparse_rows_update_only_the_rows_read():
     params = {"table": jnp.zeros((num_rows, dim)), "w": jnp.zeros((6, 10))}
     state = tx.init(params)
     rng = np.random.default_rng(4)
-    index_sets = [[1, 4, 1, 7], [4, 4, 0, 2], [8, 1, 1, 1]]
+    # The last step reads more rows than the table has: every row, some twice.
+    index_sets = [[1, 4, 1, 7], [4, 4, 0, 2], [8, 1, 1, 1], [*range(9), 3, 3]]
     steps = [
         (np.array(i), rng.standard_normal((len(i), dim)).astype(np.float32))
         for i in index_sets
@@ -203,10 +204,10 @@ def test_sparse_rows_update_only_the_rows_read():
         }
         updates, state = step(grads, state)
         assert isinstance(updates["table"], qt.SparseRows)
-        assert updates["table"].k == len(indices)
+        assert updates["table"].k == min(len(indices), num_rows)
         assert_close(updates["table"], expected)
         assert_close(state.base_state.mu["table"], expected_mu)
-    assert int(state.base_state.count) == 3
+    assert int(state.base_state.count) == 4
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,3 +257,49 @@ def test_projectors_found_inside_a_chain():
     assert shown["b"] is None
     assert shown["w"].matrix.shape == (6, RANK)
     assert bool(shown["w"].refresh)
+
+
+# ---------------------------------------------------------------------------------------
+# With the marks: one jitted step, the loss projecting its own gradient
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_marked_training_step_matches_the_formula(shape):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((4, shape[0])), jnp.float32)
+    tx = qto.projected(optax.scale_by_adam(B1, B2, EPS), rank=RANK, refresh_every=100)
+
+    def loss(params, projectors, y):
+        w = qt.projected_cotangent(params["w"], RANK, projector=projectors["w"])
+        return jnp.sum(jnp.tanh(x @ w) * y) + jnp.sum(params["b"] ** 2)
+
+    @jax.jit
+    def step(params, state, y):
+        grads = qt.grad(loss)(params, qto.projectors(state), y)
+        updates, state = tx.update(grads, state)
+        return qto.apply_updates(params, updates), state, grads
+
+    params = {
+        "w": jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        "b": jnp.ones(3),
+    }
+    state = tx.init(params)
+    ys = [
+        jnp.asarray(rng.standard_normal((4, shape[1])), jnp.float32) for _ in range(3)
+    ]
+    dense_grads = []
+    for t, y in enumerate(ys):
+        dense_grads.append(
+            np.asarray(jax.grad(loss)(params, qto.projectors(state), y)["w"])
+        )
+        before = params["w"]
+        params, state, grads = step(params, state, y)
+        assert isinstance(grads["w"], qt.LowRank)
+        side = grads["w"].left if shape[0] <= shape[1] else grads["w"].right
+        assert_close(state.projector["w"], side)
+        if t == 0:
+            projector = np.asarray(side)
+        # The formula with the projector chosen on the first step; jax.grad gives G.
+        expected = _reference_updates(dense_grads, projector)[-1]
+        assert_close(params["w"] - before, expected, factor=10)
+    assert bool(qto.projectors(state)["w"].refresh) is False
