@@ -253,8 +253,11 @@ def projected(
 
     **Arguments:**
 
-    - `base`: a transformation that takes no parameters, e.g.
-        `optax.scale_by_adam()`; chain the learning rate after this one.
+    - `base`: a transformation that takes no parameters, with the learning rate
+        in it, e.g. `optax.chain(optax.scale_by_adam(),
+        optax.scale_by_learning_rate(1e-3))`. Do not chain a transformation
+        *after* `projected`: optax would scale both factors of each `LowRank`
+        update (see the sharp bits).
     - `rank`: the projection rank.
     - `refresh_every`: steps between projector refreshes.
     - `scale`: multiplies the updates of projected leaves (GaLore's alpha).
@@ -272,9 +275,7 @@ def projected(
     """
     rank = check_int("rank", rank, 1)
     refresh_every = check_int("refresh_every", refresh_every, 1)
-    if isinstance(base, optax.GradientTransformation):
-        pass
-    else:
+    if not isinstance(base, optax.GradientTransformation):
         raise TypeError(
             f"`base` must be an optax.GradientTransformation, got {type(base).__name__}."
         )
