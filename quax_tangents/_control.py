@@ -28,12 +28,14 @@ from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
 
 from ._base import CompressedArray
+from ._cotangents import mark_p
 from ._fallback import dry_run, record_densification
 from ._primitives import compress_p, outer_p
+from ._projection import finish_p, outer_sum_p, rows_p
 from ._registry import rule
 
 
-_CONSTRUCTION = (compress_p, outer_p)
+_CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)
 _construction_cache: dict[int, tuple[Any, bool]] = {}
 
 

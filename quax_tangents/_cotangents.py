@@ -510,3 +510,39 @@ def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
     if not rows_read or _row_position(params, table.shape) is None:
         return Marked.default(jax.lax.gather_p, (table, indices), params)
     return _rows_gather(_Gather(tuple(sorted(params.items()))), table.array, indices)
+
+
+# A single row read with a scalar index (`table[i]`, `equinox.nn.Embedding` outside
+# `vmap`) is a dynamic_slice.
+
+
+def _slice_row(table: Any, row: Any, column: Any) -> Any:
+    return jax.lax.dynamic_slice_p.bind(
+        table, row, column, slice_sizes=(1, jnp.shape(table)[1])
+    )
+
+
+def _slice_fwd(table: Any, row: Any, column: Any) -> tuple[Any, tuple]:
+    return _slice_row(table, row, column), (row, jnp.shape(table)[0])
+
+
+def _slice_bwd(residuals: tuple, ct: Any) -> tuple:
+    row, num_rows = residuals
+    # dynamic_slice clamps its start so that the slice fits.
+    ids = jnp.clip(jnp.reshape(row, (1,)), 0, num_rows - 1).astype(np.int32)
+    return rows_p.bind(ids, ct, num_rows=num_rows), None, None
+
+
+_rows_slice = jax.custom_vjp(_slice_row)
+_rows_slice.defvjp(_slice_fwd, _slice_bwd)
+
+
+@rule(jax.lax.dynamic_slice_p)
+def _slice_marked(
+    table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
+) -> Array:
+    if table.kind != "rows" or table.transposed or slice_sizes != (1, table.shape[1]):
+        return Marked.default(
+            jax.lax.dynamic_slice_p, (table, row, column), dict(slice_sizes=slice_sizes)
+        )
+    return _rows_slice(table.array, row, column)

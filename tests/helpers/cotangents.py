@@ -1,0 +1,245 @@
+"""Cases of the rules behind the cotangent marks: the `OuterSum` type, the
+construction primitives of `quax_tangents._projection`, and the `Marked` weight."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import assume, strategies as st
+
+import quax_tangents as qt
+from quax_tangents._cotangents import Marked, mark_p
+from quax_tangents._lax import add_any_p
+from quax_tangents._projection import Finish, finish_p, outer_sum_p, rows_p
+from quax_tangents._types.outer import OuterSum
+from tests.helpers import float_dtypes, random_array, seeds
+from tests.helpers.cases import Case, case
+from tests.helpers.rows import rows_values
+
+
+@st.composite
+def outer_sums(draw, shape=None, dtype=None):
+    """An `OuterSum` of a drawn (or given) shape with 1..5 standard normal terms."""
+    m, n = shape or (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+    dtype = draw(float_dtypes()) if dtype is None else dtype
+    terms, seed = draw(st.integers(1, 5)), draw(seeds())
+    return OuterSum(
+        random_array(seed, (m, terms), dtype), random_array(seed + 1, (n, terms), dtype)
+    )
+
+
+@case("add_any", "OuterSum", "OuterSum")
+def _add_any():
+    @st.composite
+    def draw_case(draw):
+        x = draw(outer_sums())
+        y = draw(outer_sums(x.shape, x.dtype))
+        return Case(add_any_p.bind, (x, y), x.dtype, OuterSum, factor=4.0)
+
+    return draw_case()
+
+
+@st.composite
+def _with_dense(draw, outer_first):
+    x = draw(outer_sums())
+    y = random_array(draw(seeds()), x.shape, x.dtype)
+    args = (x, y) if outer_first else (y, x)
+    return Case(add_any_p.bind, args, x.dtype, jax.Array, factor=4.0)
+
+
+@case("add_any", "OuterSum", "dense")
+def _add_any_right():
+    return _with_dense(True)
+
+
+@case("add_any", "dense", "OuterSum")
+def _add_any_left():
+    return _with_dense(False)
+
+
+@case("outer_sum", "dense", "dense")
+def _outer_sum():
+    @st.composite
+    def draw_case(draw):
+        rows, m, n = (draw(st.integers(1, 5)) for _ in range(3))
+        dtype, seed = draw(float_dtypes()), draw(seeds())
+        a, b = (
+            random_array(seed, (rows, m), dtype),
+            random_array(seed + 1, (rows, n), dtype),
+        )
+        return Case(outer_sum_p.bind, (a, b), dtype, OuterSum, factor=4.0)
+
+    return draw_case()
+
+
+@case("rows", "dense", "dense")
+def _rows():
+    @st.composite
+    def draw_case(draw):
+        num_rows, k, d = (draw(st.integers(1, 6)) for _ in range(3))
+        seed = draw(seeds())
+        ids = jnp.asarray(np.random.default_rng(seed).integers(0, num_rows, k))
+        rows = random_array(seed + 1, (k, d))
+        fn = lambda i, r: rows_p.bind(i, r, num_rows=num_rows)  # noqa: E731
+        return Case(fn, (ids, rows), out_type=qt.SparseRows, factor=2.0)
+
+    return draw_case()
+
+
+# ---------------------------------------------------------------------------------------
+# finish
+
+
+@st.composite
+def _finish_operands(draw, shape):
+    """A projection spec for a matrix of `shape` and its operands."""
+    m, n = shape
+    rank = draw(st.integers(1, min(m, n)))
+    source = draw(st.sampled_from(["given", "fresh", "switch"]))
+    iters = draw(st.integers(0, 2))
+    spec = Finish("projected", rank=rank, iters=iters, source=source)
+    key = jax.random.key_data(jax.random.key(draw(seeds())))
+    projector = jnp.linalg.qr(random_array(draw(seeds()), (min(m, n), rank)))[0]
+    refresh = jnp.asarray(draw(st.booleans()))
+    operands = {
+        "given": (projector,),
+        "fresh": (key,),
+        "switch": (projector, refresh, key),
+    }[source]
+    return spec, operands
+
+
+def _finish_fn(spec):
+    return lambda ct, *operands: finish_p.bind(ct, *operands, spec=spec)
+
+
+@case("finish", "OuterSum", "*dense")
+def _finish_outer():
+    @st.composite
+    def draw_case(draw):
+        x = draw(outer_sums(dtype=jnp.float32))
+        if draw(st.booleans()):
+            # Factored: within the rank budget, an exact LowRank.
+            assume(x.left.shape[1] * sum(x.shape) < x.shape[0] * x.shape[1])
+            return Case(_finish_fn(Finish("factored")), (x,), out_type=qt.LowRank)
+        spec, operands = draw(_finish_operands(x.shape))
+        # The range finder sees the same matrix through different products.
+        return Case(_finish_fn(spec), (x, *operands), out_type=qt.LowRank, factor=50.0)
+
+    return draw_case()
+
+
+@case("finish", "dense", "*dense")
+def _finish_dense():
+    @st.composite
+    def draw_case(draw):
+        shape = (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+        g = random_array(draw(seeds()), shape)
+        kind = draw(st.sampled_from(["factored", "rows", "projected"]))
+        if kind != "projected":
+            return Case(_finish_fn(Finish(kind)), (g,), out_type=jax.Array)
+        spec, operands = draw(_finish_operands(shape))
+        return Case(_finish_fn(spec), (g, *operands), out_type=qt.LowRank, factor=4.0)
+
+    return draw_case()
+
+
+@case("finish", "SparseRows", "*dense")
+def _finish_rows():
+    def build(x):
+        return Case(_finish_fn(Finish("rows")), (x,), x.dtype, qt.SparseRows, 2.0)
+
+    return rows_values().map(build)
+
+
+# ---------------------------------------------------------------------------------------
+# Marked weights, inside the inner trace
+
+
+@st.composite
+def _marked(draw, kind=None, transposed=None):
+    shape = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
+    kind = (
+        draw(st.sampled_from(["factored", "projected", "rows"]))
+        if kind is None
+        else kind
+    )
+    transposed = draw(st.booleans()) if transposed is None else transposed
+    return Marked(random_array(draw(seeds()), shape), kind, transposed)
+
+
+@case("mark_cotangent", "dense", "*dense")
+def _mark():
+    @st.composite
+    def draw_case(draw):
+        w = random_array(draw(seeds()), (draw(st.integers(1, 5)), 3))
+        projector = random_array(draw(seeds()), (min(w.shape), 1))
+        spec = Finish("projected", rank=1, source="given")
+        fn = lambda w, p: mark_p.bind(w, p, spec=spec)  # noqa: E731
+        return Case(fn, (w, projector), out_type=Marked)
+
+    return draw_case()
+
+
+@case("transpose", "Marked")
+def _transpose():
+    def build(w):
+        return Case(lambda a: a.T, (w,), out_type=Marked)
+
+    return _marked().map(build)
+
+
+@st.composite
+def _dot(draw, marked_first):
+    w = draw(_marked())
+    m, n = w.shape
+    # A contraction of either side of the weight, with one or two free dims.
+    contract_first = draw(st.booleans())
+    free_shape = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2))))
+    x = random_array(draw(seeds()), free_shape + ((m if contract_first else n),))
+    w_dim = 0 if contract_first else 1
+    x_dim = x.ndim - 1
+    if marked_first:
+        dims = (((w_dim,), (x_dim,)), ((), ()))
+        fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
+        return Case(fn, (w, x), out_type=jax.Array)
+    dims = (((x_dim,), (w_dim,)), ((), ()))
+    fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
+    return Case(fn, (x, w), out_type=jax.Array)
+
+
+@case("dot_general", "dense", "Marked")
+def _dot_right():
+    return _dot(False)
+
+
+@case("dot_general", "Marked", "dense")
+def _dot_left():
+    return _dot(True)
+
+
+@case("gather", "Marked", "dense")
+def _gather():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked(transposed=False))
+        ids_shape = tuple(
+            draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2)))
+        )
+        ids = np.random.default_rng(draw(seeds())).integers(0, w.shape[0], ids_shape)
+        fn = lambda table, i: jnp.take(table, i, axis=0)  # noqa: E731
+        return Case(fn, (w, jnp.asarray(ids)), out_type=jax.Array)
+
+    return draw_case()
+
+
+@case("dynamic_slice", "Marked", "dense", "dense")
+def _dynamic_slice():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked(transposed=False))
+        row = jnp.asarray(draw(st.integers(-1, w.shape[0])), jnp.int32)
+        size = (1, w.shape[1])
+        fn = lambda table, r: jax.lax.dynamic_slice(table, (r, 0), size)  # noqa: E731
+        return Case(fn, (w, row), out_type=jax.Array)
+
+    return draw_case()

@@ -1,0 +1,431 @@
+"""Cotangents that are born compressed: `factored_cotangent`, `projected_cotangent`
+and `sparse_rows_cotangent`, checked against dense reference math."""
+
+import pathlib
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import quax_tangents as qt
+from tests.helpers import assert_close, random_array
+
+
+M, N = 12, 16  # weights are (M, N) or, for the m > n cases, (N, M)
+RANK = 2
+
+
+def _orthonormal(seed, rows, cols):
+    return jnp.linalg.qr(random_array(seed, (rows, cols)))[0]
+
+
+# Each form: (the other operand's shape for a weight (m, n), the product).
+FORMS = {
+    "x @ w": (lambda m, n: (2, m), lambda x, w: x @ w),
+    "w @ x": (lambda m, n: (n, 2), lambda x, w: w @ x),
+    "einsum btd,dh": (
+        lambda m, n: (1, 3, m),
+        lambda x, w: jnp.einsum("btd,dh->bth", x, w),
+    ),
+    "x @ w.T": (lambda m, n: (2, n), lambda x, w: x @ w.T),
+    "vmap(w @ x)": (lambda m, n: (3, n), lambda x, w: jax.vmap(lambda v: w @ v)(x)),
+}
+
+
+def _form_loss(form, shape, mark):
+    x_shape, product = FORMS[form]
+    x = random_array(1, x_shape(*shape))
+    return lambda w: jnp.sum(jnp.sin(product(x, mark(w))))
+
+
+def _dense_gradient(form, shape, w):
+    return jax.grad(_form_loss(form, shape, lambda w: w))(w)
+
+
+def _projection(g, grad):
+    """`P P^T G` (m <= n) or `G Q Q^T`, with the projector taken from `grad`."""
+    m, n = g.shape
+    if m <= n:
+        return grad.left @ (grad.left.T @ g)
+    return (g @ grad.right) @ grad.right.T
+
+
+# ---------------------------------------------------------------------------------------
+# factored_cotangent
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_factored_cotangent_is_the_exact_gradient(form):
+    w = random_array(0, (M, N))
+    loss = _form_loss(form, (M, N), qt.factored_cotangent)
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w)
+    assert isinstance(grad, qt.LowRank)
+    # One outer product per row contracted: the product's rows.
+    rows = np.prod(FORMS[form][0](M, N)) // (
+        M if form in ("x @ w", "einsum btd,dh") else N
+    )
+    assert grad.rank == rows
+    assert_close(grad, _dense_gradient(form, (M, N), w))
+    assert_close(jax.grad(loss)(w), _dense_gradient(form, (M, N), w))
+
+
+# ---------------------------------------------------------------------------------------
+# projected_cotangent
+
+
+@pytest.mark.parametrize("shape", [(M, N), (N, M)], ids=["m<=n", "m>n"])
+@pytest.mark.parametrize("form", FORMS)
+def test_projection_with_a_given_projector(form, shape):
+    w = random_array(0, shape)
+    projector = _orthonormal(3, min(shape), RANK)
+    mark = lambda w: qt.projected_cotangent(w, RANK, projector=projector)  # noqa: E731
+    loss = _form_loss(form, shape, mark)
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w)
+    assert isinstance(grad, qt.LowRank) and grad.rank == RANK
+    factor = grad.left if shape[0] <= shape[1] else grad.right
+    np.testing.assert_array_equal(factor, projector)
+    g = _dense_gradient(form, shape, w)
+    p = projector
+    expected = p @ (p.T @ g) if shape[0] <= shape[1] else (g @ p) @ p.T
+    assert_close(grad, expected)
+    # Plain jax.grad with the same mark computes the same numbers densely.
+    assert_close(jax.grad(loss)(w), expected)
+
+
+@pytest.mark.parametrize("shape", [(M, N), (N, M)], ids=["m<=n", "m>n"])
+@pytest.mark.parametrize("form", ["x @ w", "w @ x", "einsum btd,dh"])
+def test_projection_with_a_fresh_projector(form, shape):
+    w = random_array(0, shape)
+    key = jax.random.key(7)
+    mark = lambda w: qt.projected_cotangent(w, RANK, key=key, iters=2)  # noqa: E731
+    loss = _form_loss(form, shape, mark)
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w)
+    assert isinstance(grad, qt.LowRank) and grad.rank == RANK
+    basis = grad.left if shape[0] <= shape[1] else grad.right
+    assert_close(basis.T @ basis, jnp.eye(RANK))
+    g = _dense_gradient(form, shape, w)
+    assert_close(grad, _projection(g, grad))
+    assert_close(jax.grad(loss)(w), grad)
+
+
+def test_a_fresh_projector_spans_a_gradient_of_low_enough_rank():
+    # G = X^T C has rank 2 here, so a rank-3 projection loses nothing.
+    w = random_array(0, (M, N))
+    loss = _form_loss("x @ w", (M, N), lambda w: qt.projected_cotangent(w, 3))
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w)
+    assert_close(grad, _dense_gradient("x @ w", (M, N), w))
+
+
+def _switch_loss(w, matrix, refresh):
+    projector = qt.Projector(matrix, refresh)
+    x = random_array(1, (2, M))
+    marked = qt.projected_cotangent(w, RANK, projector=projector, key=jax.random.key(7))
+    return jnp.sum(jnp.sin(x @ marked))
+
+
+_switch_grad = jax.jit(qt.grad(_switch_loss))
+
+
+def test_projector_refresh_is_data_in_one_jitted_step():
+    w = random_array(0, (M, N))
+    given = _orthonormal(3, M, RANK)
+    kept = _switch_grad(w, given, jnp.asarray(False))
+    refreshed = _switch_grad(w, given, jnp.asarray(True))
+    np.testing.assert_array_equal(kept.left, given)
+    fresh = qt.grad(
+        lambda w: jnp.sum(
+            jnp.sin(
+                random_array(1, (2, M))
+                @ qt.projected_cotangent(w, RANK, key=jax.random.key(7))
+            )
+        )
+    )(w)
+    assert_close(refreshed, fresh)
+    assert not np.allclose(refreshed.left, given)
+    assert _switch_grad._cache_size() == 1
+
+
+def test_projector_init_asks_for_a_refresh():
+    placeholder = qt.Projector.init((N, M), RANK, jnp.float32)
+    assert placeholder.matrix.shape == (M, RANK) and bool(placeholder.refresh)
+
+
+def test_linear_under_vmap_and_attention_projections():
+    key = jax.random.key(0)
+    linear = eqx.nn.Linear(N, M, key=key)  # weight (M, N)
+    attention = eqx.nn.MultiheadAttention(2, M, inference=True, key=key)
+    x = random_array(1, (3, N))
+    names = ("query_proj", "key_proj", "value_proj", "output_proj")
+    projectors = {
+        name: _orthonormal(i, M, RANK) for i, name in enumerate(("linear", *names))
+    }
+
+    def mark(weight, name):
+        return qt.projected_cotangent(weight, RANK, projector=projectors[name])
+
+    def loss(linear, attention, marked):
+        if marked:
+            linear = eqx.tree_at(
+                lambda m: m.weight, linear, mark(linear.weight, "linear")
+            )
+            weights = lambda a: [getattr(a, n).weight for n in names]  # noqa: E731
+            attention = eqx.tree_at(
+                weights,
+                attention,
+                [mark(getattr(attention, n).weight, n) for n in names],
+            )
+        h = jax.vmap(linear)(x)
+        return jnp.sum(jnp.tanh(attention(h, h, h)))
+
+    with qt.fallback("error"):
+        grads = qt.grad(loss, argnums=(0, 1))(linear, attention, True)
+    dense = eqx.filter_grad(lambda models: loss(*models, False))((linear, attention))
+    pairs = [(grads[0].weight, dense[0].weight, projectors["linear"])]
+    pairs += [
+        (getattr(grads[1], n).weight, getattr(dense[1], n).weight, projectors[n])
+        for n in names
+    ]
+    for grad, g, p in pairs:
+        assert isinstance(grad, qt.LowRank)
+        np.testing.assert_array_equal(grad.left, p)
+        assert_close(grad, p @ (p.T @ g))
+
+
+def _decay_loss(w, x, marked):
+    if marked:
+        w = qt.projected_cotangent(w, RANK)
+    return jnp.sum(jnp.sin(x @ w)) + 0.5 * jnp.sum(w**2)
+
+
+def test_a_sum_without_a_projected_form_is_counted_and_projects_the_total():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(_decay_loss)(w, x, True)
+    assert qt.fallback_counts() == {("add_any", "OuterSum"): 1}
+    assert isinstance(grad, qt.LowRank)
+    total = jax.grad(_decay_loss)(w, x, False)
+    assert_close(grad, _projection(total, grad))
+    assert_close(jax.grad(_decay_loss)(w, x, True), grad)
+
+
+def test_two_matmuls_of_one_weight_add_up_without_densifying():
+    w = random_array(0, (M, N))
+    x, y = random_array(1, (2, M)), random_array(2, (N, 3))
+    p = _orthonormal(3, M, RANK)
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, RANK, projector=p)
+        return jnp.sum(jnp.sin(x @ w)) + jnp.sum(jnp.cos(w @ y))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    g = jax.grad(loss)(w, False)
+    assert_close(grad, p @ (p.T @ g))
+
+
+def test_vjp_returns_projected_cotangents():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+    p = _orthonormal(3, M, RANK)
+    out, pullback = qt.vjp(
+        lambda w: x @ qt.projected_cotangent(w, RANK, projector=p), w
+    )
+    ct = random_array(4, out.shape)
+    (grad,) = pullback(ct)
+    assert isinstance(grad, qt.LowRank)
+    assert_close(grad, p @ (p.T @ (x.T @ ct)))
+
+
+def test_a_function_without_marks_is_traced_once():
+    calls = []
+
+    def loss(w):
+        calls.append(1)
+        return jnp.sum(w**2)
+
+    qt.grad(loss)(random_array(0, (3, 3)))
+    assert len(calls) == 1
+
+
+def test_densifications_before_the_retrace_are_not_counted_twice():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+    lowrank = qt.low_rank(random_array(2, (2, M)), 1)
+
+    def loss(w, t):
+        # `t + x` densifies a LowRank once per trace.
+        return jnp.sum(jnp.sin((t + x) @ qt.projected_cotangent(w, RANK)))
+
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        qt.grad(loss)(w, lowrank)
+    assert qt.fallback_counts() == {("add", "LowRank"): 1}
+
+
+def test_a_mark_inside_jit_within_the_loss():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+    p = _orthonormal(3, M, RANK)
+
+    @jax.jit
+    def inner(w):
+        return x @ qt.projected_cotangent(w, RANK, projector=p)
+
+    with qt.fallback("error"):
+        grad = qt.grad(lambda w: jnp.sum(inner(w)))(w)
+    assert isinstance(grad, qt.LowRank)
+    assert_close(grad, p @ (p.T @ jax.grad(lambda w: jnp.sum(x @ w))(w)))
+
+
+# ---------------------------------------------------------------------------------------
+# sparse_rows_cotangent
+
+V, D = 20, 4
+IDS = jnp.asarray([[3, 7, 3], [0, 7, 19]])
+
+
+READS = {
+    "take": lambda table, ids: jnp.take(table, ids, axis=0),
+    "index": lambda table, ids: table[ids],
+    "Embedding": lambda table, ids: jax.vmap(jax.vmap(eqx.nn.Embedding(weight=table)))(
+        ids
+    ),
+    # One scalar read at a time: a dynamic_slice each, not a gather.
+    "Embedding, scalar": lambda table, ids: jnp.stack(
+        [eqx.nn.Embedding(weight=table)(i) for i in ids.ravel()]
+    ).reshape(ids.shape + (table.shape[1],)),
+}
+
+
+@pytest.mark.parametrize("read", READS)
+def test_sparse_rows_cotangent_stores_each_row_read_once(read):
+    table = random_array(0, (V, D))
+
+    def loss(table, marked):
+        if marked:
+            table = qt.sparse_rows_cotangent(table)
+        return jnp.sum(jnp.sin(READS[read](table, IDS)) * jnp.arange(D))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(table, True)
+    assert isinstance(grad, qt.SparseRows)
+    dense = jax.grad(loss)(table, False)
+    assert_close(grad, dense)
+    assert_close(jax.grad(loss)(table, True), dense)
+    rows_read = IDS.size
+    assert grad.k <= rows_read
+    assert grad.nbytes <= rows_read * (D * 4 + 8)
+    # Distinct rows are stored once; the padding rows are zero.
+    stored = np.asarray(grad.indices)[np.any(np.asarray(grad.rows) != 0, axis=1)]
+    assert sorted(stored) == sorted(set(np.asarray(IDS).ravel().tolist()))
+
+
+def test_a_tied_table_adds_a_dense_term_counted():
+    table = random_array(0, (V, D))
+    h = random_array(1, (3, D))
+
+    def loss(table, marked):
+        if marked:
+            table = qt.sparse_rows_cotangent(table)
+        return jnp.sum(jnp.sin(table[IDS])) + jnp.sum(jnp.tanh(h @ table.T))
+
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(table, True)
+    assert qt.fallback_counts() == {("add_any", "SparseRows"): 1}
+    assert_close(grad, jax.grad(loss)(table, False))
+
+
+# ---------------------------------------------------------------------------------------
+# No buffer of the weight's shape in the compiled gradient
+
+
+def _produced(jitted, args, shape):
+    """Compiled HLO instructions, other than parameters, whose result is `shape`."""
+    pattern = re.compile(r"\s*(ROOT )?%\S+ = " + re.escape(shape) + r"[{ ]")
+    lines = jitted.lower(*args).compile().as_text().splitlines()
+    return [line for line in lines if pattern.match(line) and "parameter(" not in line]
+
+
+def _hlo_losses():
+    x = random_array(1, (2, 3, 24))
+    p = _orthonormal(3, 24, RANK)
+
+    def matmul(mark):
+        return lambda w: jnp.sum(jnp.tanh(jnp.einsum("btd,dh->bth", x, mark(w))))
+
+    return {
+        "factored": matmul(qt.factored_cotangent),
+        "projected": matmul(lambda w: qt.projected_cotangent(w, RANK)),
+        "given": matmul(lambda w: qt.projected_cotangent(w, RANK, projector=p)),
+        "switch": matmul(
+            lambda w: qt.projected_cotangent(
+                w, RANK, projector=qt.Projector(p, jnp.sum(w) > 0)
+            )
+        ),
+        "plain": matmul(lambda w: w),
+    }
+
+
+@pytest.mark.parametrize("mark", ["factored", "projected", "given", "switch"])
+def test_no_weight_shaped_buffer_in_the_compiled_gradient(mark):
+    w = random_array(0, (24, 40))
+    losses = _hlo_losses()
+    assert _produced(jax.jit(qt.grad(losses[mark])), (w,), "f32[24,40]") == []
+    assert _produced(jax.jit(jax.grad(losses["plain"])), (w,), "f32[24,40]") != []
+
+
+def test_no_table_shaped_buffer_in_the_compiled_gradient():
+    table = random_array(0, (64, 8))
+
+    def loss(table, marked):
+        if marked:
+            table = qt.sparse_rows_cotangent(table)
+        return jnp.sum(jnp.sin(table[IDS]))
+
+    marked = jax.jit(qt.grad(loss), static_argnums=1)
+    plain = jax.jit(jax.grad(loss), static_argnums=1)
+    assert _produced(marked, (table, True), "f32[64,8]") == []
+    assert _produced(plain, (table, False), "f32[64,8]") != []
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_inputs_have_clear_errors():
+    w = jnp.ones((4, 6))
+    with pytest.raises(ValueError, match="`rank`=5 is larger than 4"):
+        qt.projected_cotangent(w, 5)
+    with pytest.raises(ValueError, match="`projector` has shape \\(6, 2\\)"):
+        qt.projected_cotangent(w, 2, projector=jnp.ones((6, 2)))
+    with pytest.raises(TypeError, match="cast the projector"):
+        qt.projected_cotangent(w, 2, projector=jnp.ones((4, 2), jnp.float16))
+    with pytest.raises(ValueError, match="`w` must be a matrix"):
+        qt.projected_cotangent(jnp.ones((2, 3, 4)), 1)
+    with pytest.raises(ValueError, match="`w` must be a matrix"):
+        qt.factored_cotangent(jnp.ones(3))
+    with pytest.raises(TypeError, match="`table` has dtype int32"):
+        qt.sparse_rows_cotangent(jnp.ones((4, 6), jnp.int32))
+    with pytest.raises(TypeError, match="`Projector.refresh` must be a bool scalar"):
+        qt.Projector(jnp.ones((4, 2)), jnp.ones(2, bool))
+    with pytest.raises(ValueError, match="`iters` must be a non-negative int"):
+        qt.projected_cotangent(w, 2, iters=-1)
+
+
+def test_the_docs_page_runs():
+    page = pathlib.Path(__file__).parents[1] / "docs" / "cotangents.md"
+    snippets = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    namespace = {}
+    for snippet in snippets:
+        exec(compile(snippet, "docs/cotangents.md", "exec"), namespace)
+    assert isinstance(namespace["g_embedding"], qt.SparseRows)
+    assert namespace["g_embedding"].k == 4
+    assert isinstance(namespace["g_w"], qt.LowRank)
+    assert namespace["projector"].matrix.shape == (32, 4)
