@@ -1,7 +1,10 @@
 """Optax gradient transformations that compress updates: a generic compressor with
-error feedback (EF, EF21), and PowerSGD.
+error feedback (EF, EF21), and PowerSGD; and optimisers that take compressed
+gradients: `projected` (GaLore on projected and row-sparse gradients, whose updates
+stay compressed; apply them with `apply_updates`) and `lift` (any optax
+transformation, on the dense arrays).
 
-Each transformation emits *dense* updates: the materialised compressed value, or the
+Each compressing transformation emits *dense* updates: the materialised compressed value, or the
 mean over devices of the compressed values. Generic optax transformations (`adam`,
 `sgd`, `apply_updates`) map over array leaves, and handed a compressed value they would
 scale its factors or indices instead of the array it represents. The bytes that

@@ -303,3 +303,12 @@ def test_marked_training_step_matches_the_formula(shape):
         expected = _reference_updates(dense_grads, projector)[-1]
         assert_close(params["w"] - before, expected, factor=10)
     assert bool(qto.projectors(state)["w"].refresh) is False
+
+
+def test_a_low_rank_of_the_projection_rank_is_read_as_one():
+    # A documented limit: the projector side is not checked for orthonormality.
+    left = 3 * jnp.ones((6, RANK))
+    state = _TX.init({"w": jnp.zeros((6, 10))})
+    updates, state = _STEP({"w": qt.LowRank(left, jnp.ones((10, RANK)))}, state)
+    assert_close(state.projector["w"], left)
+    assert_close(updates["w"].left, left)
