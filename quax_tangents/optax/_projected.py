@@ -31,7 +31,7 @@ class ProjectedState(NamedTuple):
         rank)` arrays for projected leaves and on the leaves themselves otherwise.
     """
 
-    count: Int[Array, ""]
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
     refresh: Bool[Array, ""]
     projector: PyTree
     base_state: Any
@@ -303,7 +303,7 @@ def projected(
         )
 
     def update(
-        updates: PyTree, state: ProjectedState, params: PyTree = None
+        updates: PyTree, state: Any, params: PyTree = None
     ) -> tuple[PyTree, ProjectedState]:
         del params
         grads, treedef = jtu.tree_flatten(updates, is_leaf=is_compressed)
@@ -329,10 +329,10 @@ def projected(
                 grads, new_projectors, base_updates, rows
             )
         ]
-        count = optax.safe_int32_increment(state.count)
+        count = jnp.asarray(optax.safe_int32_increment(state.count))
         new_state = ProjectedState(
             count=count,
-            refresh=count % refresh_every == 0,
+            refresh=jnp.asarray(count % refresh_every == 0),
             projector=jtu.tree_unflatten(treedef, new_projectors),
             base_state=base_state,
         )
