@@ -159,15 +159,15 @@ def projected_cotangent(
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
     key_data, key_impl = _key_data(key)
-    spec = dict(rank=rank, iters=iters, key_impl=key_impl)
     if projector is None:
-        return _mark(Finish("projected", source="fresh", **spec), w, (key_data,))
-    if isinstance(projector, Projector):
+        source, operands = "fresh", (key_data,)
+    elif isinstance(projector, Projector):
         matrix = _check_projector(projector.matrix, w, rank)
-        operands = (matrix, projector.refresh, key_data)
-        return _mark(Finish("projected", source="switch", **spec), w, operands)
-    matrix = _check_projector(projector, w, rank)
-    return _mark(Finish("projected", source="given", **spec), w, (matrix,))
+        source, operands = "switch", (matrix, projector.refresh, key_data)
+    else:
+        source, operands = "given", (_check_projector(projector, w, rank),)
+    spec = Finish("projected", rank, iters, source, key_impl)
+    return _mark(spec, w, operands)
 
 
 def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
@@ -300,10 +300,6 @@ def inner_layer(fn: Callable) -> Callable:
 # The mark: an identity whose backward pass finishes the total cotangent
 
 
-def _finished(spec: Finish, w: Any, *operands: Any) -> Any:
-    return _finished_vjp(spec, w, *operands)
-
-
 def _finished_fwd(spec: Finish, w: Any, *operands: Any) -> tuple[Any, tuple]:
     return w, operands
 
@@ -314,8 +310,9 @@ def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
     return (finish_p.bind(ct, *operands, spec=spec), *(None for _ in operands))
 
 
-_finished_vjp = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
-_finished_vjp.defvjp(_finished_fwd, _finished_bwd)
+# The identity on `w`; `spec` and the operands only parameterise the backward pass.
+_finished = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
+_finished.defvjp(_finished_fwd, _finished_bwd)
 
 
 mark_p = jexc.Primitive("mark_cotangent")
@@ -329,10 +326,12 @@ mlir.register_lowering(
 def _mark_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
     raise RuntimeError(
         "A cotangent mark (`projected_cotangent`, `factored_cotangent`, "
-        "`sparse_rows_cotangent`) was traced where its rules cannot run: inside a "
-        "`jax.jit`, `lax.scan` or other transformation within the differentiated "
-        "function. Call the mark outside that transformation and pass the marked "
-        "weight in."
+        "`sparse_rows_cotangent`) reached JAX's differentiation without its rules: "
+        "its function was traced by `quax_tangents.grad`/`value_and_grad`/`vjp`, "
+        "cached (e.g. by `jax.jit`), and reused by another transformation, or it sits "
+        "inside a transformation that the marks do not enter. Call the mark outside "
+        "that transformation and pass the marked weight in, or call "
+        "`jax.clear_caches()` before differentiating the function another way."
     )
 
 

@@ -283,6 +283,18 @@ def test_a_mark_inside_jit_within_the_loss():
     assert_close(grad, p @ (p.T @ jax.grad(lambda w: jnp.sum(x @ w))(w)))
 
 
+def test_a_mark_reused_from_a_cache_by_plain_jax_is_an_error():
+    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+
+    @jax.jit
+    def inner(w):
+        return x @ qt.projected_cotangent(w, RANK)
+
+    qt.grad(lambda w: jnp.sum(inner(w)))(w)
+    with pytest.raises(RuntimeError, match="jax.clear_caches"):
+        jax.grad(lambda w: jnp.sum(inner(w)))(w)
+
+
 # ---------------------------------------------------------------------------------------
 # sparse_rows_cotangent
 
@@ -324,6 +336,23 @@ def test_sparse_rows_cotangent_stores_each_row_read_once(read):
     # Distinct rows are stored once; the padding rows are zero.
     stored = np.asarray(grad.indices)[np.any(np.asarray(grad.rows) != 0, axis=1)]
     assert sorted(stored) == sorted(set(np.asarray(IDS).ravel().tolist()))
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_out_of_bounds_reads_match_plain_jax(mode):
+    table = random_array(0, (V, D))
+    ids = jnp.asarray([2, V + 3, -V - 1, 2])
+
+    def loss(table, marked):
+        if marked:
+            table = qt.sparse_rows_cotangent(table)
+        rows = jnp.take(table, ids, axis=0, mode=mode, fill_value=0.0)
+        return jnp.sum(jnp.sin(rows) * jnp.arange(D))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(table, True)
+    assert isinstance(grad, qt.SparseRows)
+    assert_close(grad, jax.grad(loss)(table, False))
 
 
 def test_a_tied_table_adds_a_dense_term_counted():

@@ -11,8 +11,6 @@ the few products the finishing step takes of it.
 Every rule this representation registers lives in this file.
 """
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
@@ -66,8 +64,3 @@ def _add_any_dense_right(x: OuterSum, y: ArrayLike) -> Array:
 @rule(add_any_p, dense_output=True)
 def _add_any_dense_left(y: ArrayLike, x: OuterSum) -> Array:
     return _plus_dense(x, y)
-
-
-def outer_sum_factors(x: Any) -> tuple[Array, Array] | None:
-    """`(left, right)` of an `OuterSum`, or `None` for anything else."""
-    return (x.left, x.right) if isinstance(x, OuterSum) else None
