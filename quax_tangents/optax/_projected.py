@@ -197,7 +197,8 @@ def _lazy_base_update(
 
 def _rows_update(grad: SparseRows, rows: Array, update: Array) -> SparseRows:
     unused = rows == grad.num_rows
-    update = jnp.where(unused[:, None], 0, update).astype(grad.dtype)
+    per_row = unused.reshape(-1, *(1,) * len(grad.row_shape))
+    update = jnp.where(per_row, 0, update).astype(grad.dtype)
     return SparseRows.build(jnp.where(unused, 0, rows), update, grad.num_rows)
 
 

@@ -312,3 +312,15 @@ def test_a_low_rank_of_the_projection_rank_is_read_as_one():
     updates, state = _STEP({"w": qt.LowRank(left, jnp.ones((10, RANK)))}, state)
     assert_close(state.projector["w"], left)
     assert_close(updates["w"].left, left)
+
+
+def test_rows_of_any_shape():
+    tx = qto.projected(optax.scale_by_adam(B1, B2, EPS), rank=RANK)
+    state = tx.init({"t": jnp.zeros((5, 2, 2))})
+    rng = np.random.default_rng(6)
+    steps = [(np.array([3, 1, 3]), rng.standard_normal((3, 4)).astype(np.float32))]
+    ((expected, _),) = _lazy_reference(5, 4, steps)
+    indices, rows = steps[0]
+    grads = {"t": qt.SparseRows(indices, rows.reshape(3, 2, 2), 5)}
+    updates, _ = tx.update(grads, state)
+    assert_close(updates["t"], expected.reshape(5, 2, 2))
