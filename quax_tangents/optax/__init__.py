@@ -1,7 +1,10 @@
 """Optax gradient transformations that compress updates: a generic compressor with
-error feedback (EF, EF21), and PowerSGD.
+error feedback (EF, EF21), and PowerSGD; and optimisers that take compressed
+gradients: `projected` (GaLore on projected and row-sparse gradients, whose updates
+stay compressed; apply them with `apply_updates`) and `lift` (any optax
+transformation, on the dense arrays).
 
-Each transformation emits *dense* updates: the materialised compressed value, or the
+Each compressing transformation emits *dense* updates: the materialised compressed value, or the
 mean over devices of the compressed values. Generic optax transformations (`adam`,
 `sgd`, `apply_updates`) map over array leaves, and handed a compressed value they would
 scale its factors or indices instead of the array it represents. The bytes that
@@ -33,15 +36,27 @@ if importlib.util.find_spec("optax") is None:
         '`pip install "quax-tangents[optax]"`.'
     )
 
-from ._compress import CompressState as CompressState, compress as compress  # noqa: E402
-from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd  # noqa: E402
-from ._specs import partition_specs as partition_specs  # noqa: E402
+# ruff: noqa: E402
+from ._apply import apply_updates as apply_updates, lift as lift
+from ._compress import CompressState as CompressState, compress as compress
+from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
+from ._projected import (
+    ProjectedState as ProjectedState,
+    projected as projected,
+    projectors as projectors,
+)
+from ._specs import partition_specs as partition_specs
 
 
 __all__ = [
     "CompressState",
     "PowerSGDState",
+    "ProjectedState",
+    "apply_updates",
     "compress",
+    "lift",
     "partition_specs",
     "powersgd",
+    "projected",
+    "projectors",
 ]

@@ -1,0 +1,159 @@
+"""Compressed updates meet optax: `apply_updates` for compressed updates, `lift` for
+transformations that only take arrays, and the check behind their errors."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import optax
+from jaxtyping import Array, PyTree
+
+from .._base import CompressedArray
+from .._fallback import record_densification
+from .._types.lowrank import LowRank
+from .._types.rows import SparseRows
+
+
+def is_compressed(x: Any) -> bool:
+    return isinstance(x, CompressedArray)
+
+
+def reject_compressed(tree: PyTree, where: str, fix: str) -> None:
+    """Raises a `TypeError` naming the first compressed leaf of `tree`: generic optax
+    code maps over a compressed value's fields, not over the array it represents."""
+    leaves = jtu.tree_leaves_with_path(tree, is_leaf=is_compressed)
+    for path, leaf in leaves:
+        if is_compressed(leaf):
+            raise TypeError(
+                f"{where} was handed a {type(leaf).__name__} at "
+                f"`{jtu.keystr(path) or 'the root'}`, which it cannot take: {fix}"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# apply_updates
+
+
+# Up to this rank the product is a broadcast multiply-reduce that XLA fuses with the
+# addition into one loop over the parameter: no (m, n) buffer but the result. Above
+# it, a matrix multiplication is faster than the loop.
+_FUSED_MAX_RANK = 64
+
+
+def _apply_low_rank(param: Array, update: LowRank) -> Array:
+    left, right = update.left.astype(param.dtype), update.right.astype(param.dtype)
+    if update.rank <= _FUSED_MAX_RANK:
+        terms = left[..., :, None, :] * right[..., None, :, :]
+        return param + jnp.sum(terms, axis=-1)
+    batch = tuple(range(left.ndim - 2))
+    contract = ((left.ndim - 1,), (right.ndim - 1,))
+    return param + jax.lax.dot_general(left, right, (contract, (batch, batch)))
+
+
+def _apply_rows(param: Array, update: SparseRows) -> Array:
+    return param.at[update.indices].add(update.rows.astype(param.dtype), mode="drop")
+
+
+def _apply_leaf(param: Any, update: Any) -> Any:
+    if param is None:
+        return None
+    if isinstance(update, LowRank):
+        _check_shape(param, update)
+        return _apply_low_rank(param, update)
+    if isinstance(update, SparseRows):
+        _check_shape(param, update)
+        return _apply_rows(param, update)
+    if isinstance(update, CompressedArray):
+        _check_shape(param, update)
+        record_densification(
+            "apply_updates",
+            (type(update).__name__,),
+            "no in-place form for this type",
+        )
+        update = update.materialise()
+    return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
+
+
+def _check_shape(param: Any, update: CompressedArray) -> None:
+    if tuple(jnp.shape(param)) != tuple(update.shape):
+        raise ValueError(
+            f"An update of shape {list(update.shape)} ({type(update).__name__}) "
+            f"cannot be applied to a parameter of shape {list(jnp.shape(param))}."
+        )
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """`optax.apply_updates` for updates that may be compressed.
+
+    A `LowRank` update is added as `param + left @ right.T` in one pass over the
+    parameter: up to rank 64 the product is written as a multiply-reduce over the
+    rank that XLA fuses with the addition, so the compiled function holds no
+    `(m, n)` buffer besides the result (with the parameter donated, none at all);
+    above rank 64 it is a matrix multiplication followed by the addition. A
+    `SparseRows` update is a scatter-add into the stored rows. Dense updates are
+    added as `optax.apply_updates` adds them. Every result is cast to its
+    parameter's dtype. Other compressed types are materialised, counted as a
+    densification.
+
+    **Arguments:**
+
+    - `params`: the parameters, a pytree of arrays (leaves may be `None`).
+    - `updates`: the updates, with the structure of `params`; each leaf an array, a
+        compressed value of the parameter's shape, or `None`.
+
+    **Returns:**
+
+    The updated parameters, with the structure of `params`.
+    """
+    return jtu.tree_map(
+        _apply_leaf, params, updates, is_leaf=lambda x: x is None or is_compressed(x)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# lift
+
+
+def _densified(tree: PyTree) -> PyTree:
+    def dense(x: Any) -> Any:
+        if not is_compressed(x):
+            return x
+        record_densification(
+            "lift", (type(x).__name__,), "the lifted transformation takes arrays"
+        )
+        return x.materialise()
+
+    return jtu.tree_map(dense, tree, is_leaf=is_compressed)
+
+
+def lift(
+    tx: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Makes any optax transformation accept compressed gradients, by handing it the
+    arrays they represent: the same numbers as with dense gradients.
+
+    Each compressed leaf is materialised, and counted as a densification through the
+    fallback policy (see [`quax_tangents.fallback`][]), so the memory a compressed
+    gradient saves is spent here. It is the safe way to use a transformation that
+    has no compressed form: handed a compressed value directly, an optax
+    transformation maps over its fields (`optax.sgd` scales both factors of a
+    `LowRank`, a wrong update without an error).
+
+    **Arguments:**
+
+    - `tx`: an optax transformation.
+
+    **Returns:**
+
+    A transformation with `tx`'s state; its `update` takes gradients whose leaves may
+    be compressed and returns `tx`'s (dense) updates.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def update(
+        updates: PyTree, state: Any, params: PyTree = None, **extra: Any
+    ) -> tuple[PyTree, Any]:
+        return tx.update(_densified(updates), state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)

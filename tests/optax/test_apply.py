@@ -1,0 +1,134 @@
+"""`apply_updates` with compressed updates, its compiled buffers, and `lift`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import quax_tangents as qt
+import quax_tangents.optax as qto
+from tests.helpers import assert_close
+
+
+def _low_rank(rng, m, n, r, dtype=jnp.float32):
+    return qt.LowRank(
+        jnp.asarray(rng.standard_normal((m, r)), dtype),
+        jnp.asarray(rng.standard_normal((n, r)), dtype),
+    )
+
+
+@pytest.mark.parametrize("rank", [3, 70])
+def test_apply_updates_equals_dense(rank):
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((80, 90)), jnp.float32),
+        "t": jnp.asarray(rng.standard_normal((7, 4)), jnp.float32),
+        "b": jnp.ones(4, jnp.bfloat16),
+        "none": None,
+    }
+    updates = {
+        "w": _low_rank(rng, 80, 90, rank),
+        "t": qt.SparseRows(jnp.array([2, 5, 2]), jnp.ones((3, 4)), 7),
+        "b": jnp.full(4, 0.5, jnp.float32),
+        "none": None,
+    }
+    out = jax.jit(qto.apply_updates)(params, updates)
+    expected = optax.apply_updates(params, qt.materialise(updates))
+    assert out["none"] is None
+    assert out["b"].dtype == jnp.bfloat16
+    for name in ("w", "t", "b"):
+        assert_close(out[name], expected[name])
+
+
+def test_apply_updates_casts_to_the_parameter_dtype():
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.zeros((6, 5), jnp.bfloat16)}
+    out = qto.apply_updates(params, {"w": _low_rank(rng, 6, 5, 2)})
+    assert out["w"].dtype == jnp.bfloat16
+
+
+def test_low_rank_update_adds_no_weight_sized_buffer():
+    # The product is fused into the addition: no (m, n) temporary, with or without
+    # the parameter donated. The matmul path (rank > 64) keeps one when donated.
+    m, n = 64, 128
+    w = jax.ShapeDtypeStruct((m, n), jnp.float32)
+
+    def temp_bytes(rank, donate):
+        update = jax.eval_shape(
+            lambda: qt.LowRank(jnp.zeros((m, rank)), jnp.zeros((n, rank)))
+        )
+        compiled = (
+            jax.jit(qto.apply_updates, donate_argnums=(0,) if donate else ())
+            .lower(w, update)
+            .compile()
+        )
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(8, donate=False) == 0
+    assert temp_bytes(8, donate=True) == 0
+    assert temp_bytes(70, donate=True) >= m * n * 4
+
+
+def test_apply_updates_shape_mismatch_raises():
+    rng = np.random.default_rng(2)
+    with pytest.raises(ValueError, match="cannot be applied"):
+        qto.apply_updates({"w": jnp.zeros((5, 5))}, {"w": _low_rank(rng, 6, 5, 1)})
+
+
+def test_other_compressed_updates_are_counted():
+    qt.reset_fallback_counts()
+    update = qt.top_k(jnp.arange(12.0).reshape(3, 4), 0.25)
+    with qt.fallback("silent"):
+        out = qto.apply_updates(jnp.ones((3, 4)), update)
+    assert_close(out, 1 + qt.materialise(update))
+    assert qt.fallback_counts()[("apply_updates", "Sparse")] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# lift, and the silent case it answers
+
+
+def test_plain_sgd_scales_both_factors():
+    # What `lift` exists for: optax maps over the factors, so the update of a
+    # LowRank gradient is lr^2 * g, not -lr * g, and no error is raised.
+    rng = np.random.default_rng(3)
+    g = _low_rank(rng, 6, 5, 2)
+    tx = optax.sgd(0.1)
+    updates, _ = tx.update(g, tx.init(g))
+    assert_close(updates, 0.01 * qt.materialise(g))
+    relative = np.linalg.norm(qt.materialise(updates) + 0.1 * qt.materialise(g))
+    relative /= np.linalg.norm(0.1 * qt.materialise(g))
+    assert relative == pytest.approx(1.1, rel=1e-5)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.sgd(0.1), lambda: optax.adam(0.01)])
+def test_lift_equals_the_dense_optimiser(make):
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.zeros((6, 5)), "t": jnp.zeros((7, 3)), "b": jnp.zeros(3)}
+    lifted, dense = qto.lift(make()), make()
+    lifted_state, dense_state = lifted.init(params), dense.init(params)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        for _ in range(2):
+            grads = {
+                "w": _low_rank(rng, 6, 5, 2),
+                "t": qt.SparseRows(jnp.array([1, 1, 6]), jnp.ones((3, 3)), 7),
+                "b": jnp.asarray(rng.standard_normal(3), jnp.float32),
+            }
+            updates, lifted_state = lifted.update(grads, lifted_state, params)
+            expected, dense_state = dense.update(
+                qt.materialise(grads), dense_state, params
+            )
+            for name in params:
+                assert_close(updates[name], expected[name])
+    counts = qt.fallback_counts()
+    assert counts[("lift", "LowRank")] == 2
+    assert counts[("lift", "SparseRows")] == 2
+
+
+def test_lift_follows_the_fallback_policy():
+    tx = qto.lift(optax.sgd(0.1))
+    g = qt.LowRank(jnp.ones((3, 1)), jnp.ones((2, 1)))
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="lift"):
+        tx.update(g, tx.init(jnp.zeros((3, 2))))
