@@ -22,7 +22,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
 from .._base import CompressedArray, densify
-from .._fallback import record_densification
+from .._fallback import record_dense_result, record_densification
 from .._lax import add_any_p
 from .._registry import rule
 
@@ -357,42 +357,36 @@ def _concatenate(x: Sparse, y: Sparse, negate_y: bool) -> Sparse:
     )
 
 
-def _sum_of_sparse(
-    primitive: jexc.Primitive, x: Sparse, y: Sparse, negate_y: bool
-) -> Sparse | Array:
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return densify(primitive, [x, y], {}, reason="operands of different avals")
-    if not _fits(x.shape):
+@rule(add_any_p, jax.lax.add_p, jax.lax.sub_p)
+def _sum(x: Sparse, y: Sparse, *, primitive: jexc.Primitive) -> Sparse | Array:
+    if x.dtype != y.dtype:
+        return densify(primitive, [x, y], {}, reason="operands of different dtypes")
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    if not _fits(shape):
         return densify(primitive, [x, y], {}, reason="too large for int32 indices")
-    return _concatenate(x, y, negate_y)
+    # `lax.add` broadcasts size-1 dims: spread the entries first (exact).
+    x, y = _broadcast_to(x, shape), _broadcast_to(y, shape)
+    if not (isinstance(x, Sparse) and isinstance(y, Sparse)):
+        return densify(primitive, [x, y], {}, reason="broadcasting made one dense")
+    return _concatenate(x, y, primitive is jax.lax.sub_p)
 
 
-@rule(add_any_p)
-def _add_any(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(add_any_p, x, y, negate_y=False)
+def _broadcast_to(x: Sparse, shape: tuple[int, ...]) -> Sparse | Array:
+    """`x` broadcast over its size-1 dims to `shape`, as a product with ones."""
+    if x.shape == shape:
+        return x
+    return _mul_dense(x, jnp.ones(shape, x.dtype), {})
 
 
-@rule(jax.lax.add_p)
-def _add(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(jax.lax.add_p, x, y, negate_y=False)
-
-
-@rule(jax.lax.sub_p)
-def _sub(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(jax.lax.sub_p, x, y, negate_y=True)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def _mul_kernel(
     s: Sparse,
     d: Array,
-    sparse_first: bool,
     out_shape: tuple[int, ...],
     params: tuple[tuple[str, Any], ...],
 ) -> Sparse:
     def multiply(values: Array, gathered: Array) -> Array:
-        pair = (values, gathered) if sparse_first else (gathered, values)
-        return jax.lax.mul_p.bind(*pair, **dict(params))
+        return jax.lax.mul_p.bind(values, gathered, **dict(params))
 
     s_shape = s.shape if s.ndim else (1,) * d.ndim
     # Dims along which the sparse operand is broadcast: each entry spreads over them.
@@ -428,10 +422,9 @@ def _mul_kernel(
     return Sparse._build(out_indices.reshape(-1), product.reshape(-1), out_shape)
 
 
-def _mul_dense(
-    s: Sparse, d: ArrayLike, sparse_first: bool, params: dict[str, Any]
-) -> Sparse | Array:
-    operands = [s, d] if sparse_first else [d, s]
+@rule(jax.lax.mul_p, commutative=True)
+def _mul_dense(s: Sparse, d: ArrayLike, **params: Any) -> Sparse | Array:
+    operands = [s, d]
     out = _out_aval(jax.lax.mul_p, operands, params)
     if not jnp.issubdtype(out.dtype, jnp.floating):
         return densify(
@@ -442,8 +435,7 @@ def _mul_dense(
         )
     d = jnp.asarray(d)
     if d.ndim == 0:
-        pair = (s.values, d) if sparse_first else (d, s.values)
-        values = jax.lax.mul_p.bind(*pair, **params)
+        values = jax.lax.mul_p.bind(s.values, d, **params)
         return Sparse._build(s.indices, values, s.event_shape)
     if not (_fits(s.shape) and _fits(out.shape)):
         return densify(jax.lax.mul_p, operands, params, reason="too large for int32")
@@ -460,17 +452,7 @@ def _mul_dense(
             reason=f"broadcasting gives {nnz} entries, more bytes than dense",
         )
     static_params = tuple(sorted(params.items()))
-    return _mul_kernel(s, d, sparse_first, tuple(out.shape), static_params)
-
-
-@rule(jax.lax.mul_p)
-def _mul_sparse_dense(x: Sparse, y: ArrayLike, **params: Any) -> Sparse | Array:
-    return _mul_dense(x, y, True, params)
-
-
-@rule(jax.lax.mul_p)
-def _mul_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse | Array:
-    return _mul_dense(y, x, False, params)
+    return _mul_kernel(s, d, tuple(out.shape), static_params)
 
 
 def _dot_roles(
@@ -560,9 +542,10 @@ def _dot_general(
     nnz = s.indices.size * _size([d.shape[a] for a in d_free])
     dense = _sparse_bytes(nnz, out.dtype) > _dense_bytes(out.shape, out.dtype)
     if dense:
-        record_densification(
+        record_dense_result(
             jax.lax.dot_general_p.name,
             ("Sparse",),
+            tuple(out.shape),
             f"the exact sparse result has {nnz} entries, more bytes than the dense "
             f"{out.dtype}{list(out.shape)} result; computed by a scatter-add",
         )
@@ -582,38 +565,49 @@ def _dot_general_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse 
     return _dot_general(y, x, False, params)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _select_axes(x: Sparse, axes: tuple[int, ...], fold_batch: bool) -> Sparse:
-    """Keeps the event axes `axes`, in that order (of the whole shape if
-    `fold_batch`, after folding the batch dims into the events): a transpose when
-    `axes` is a permutation, a sum over the others otherwise."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _remap(
+    x: Sparse, axes: tuple[int, ...] | None, shape: tuple[int, ...], fold_batch: bool
+) -> Sparse:
+    """The entries of `x` in a new layout. With `fold_batch`, the batch dims are first
+    folded into the events (flat indices into the whole array). Then the event axes
+    `axes` are kept, in that order: a transpose when `axes` is a permutation, a sum
+    over the others otherwise; `axes=None` keeps the flat indices and relabels the
+    events as `shape` (a row-major reshape)."""
     if fold_batch:
-        indices, values, shape = _flat(x)
+        indices, values, event = _flat(x)
     else:
-        indices, values, shape = x.indices, x.values, x.event_shape
-    coords = _unravel(indices, shape)
-    new_shape = tuple(shape[a] for a in axes)
-    new_indices = _ravel([coords[a] for a in axes], new_shape, indices)
-    return Sparse._build(new_indices, values, new_shape)
+        indices, values, event = x.indices, x.values, x.event_shape
+    if axes is not None:
+        coords = _unravel(indices, event)
+        indices = _ravel([coords[a] for a in axes], shape, indices)
+    return Sparse._build(indices, values, shape)
+
+
+def _relayout(
+    primitive: jexc.Primitive,
+    x: Sparse,
+    params: dict[str, Any],
+    axes: tuple[int, ...] | None,
+    shape: tuple[int, ...],
+) -> Sparse | Array:
+    """`_remap` of the events when `axes` (whole-array axes) keep the batch dims in
+    place, else of the folded array (densified if int32 cannot index it)."""
+    n_batch = x.indices.ndim - 1
+    keeps_batch = axes is None or axes[:n_batch] == tuple(range(n_batch))
+    if keeps_batch and tuple(shape[:n_batch]) == x.shape[:n_batch]:
+        events = None if axes is None else tuple(a - n_batch for a in axes[n_batch:])
+        return _remap(x, events, tuple(shape[n_batch:]), False)
+    if not _fits(x.shape):
+        return densify(primitive, [x], params, reason="too large for int32 indices")
+    return _remap(x, axes, tuple(shape), True)
 
 
 @rule(jax.lax.transpose_p)
-def _transpose(x: Sparse, *, permutation: Sequence[int]) -> Sparse | Array:
-    n_batch = x.indices.ndim - 1
-    permutation = tuple(int(p) for p in permutation)
-    if permutation[:n_batch] == tuple(range(n_batch)):
-        return _select_axes(x, tuple(p - n_batch for p in permutation[n_batch:]), False)
-    if not _fits(x.shape):
-        return densify(
-            jax.lax.transpose_p, [x], {"permutation": permutation}, reason="too large"
-        )
-    return _select_axes(x, permutation, True)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _fold_batch(x: Sparse, shape: tuple[int, ...]) -> Sparse:
-    indices, values, _ = _flat(x)
-    return Sparse._build(indices, values, shape)
+def _transpose(x: Sparse, **params: Any) -> Sparse | Array:
+    axes = tuple(int(p) for p in params["permutation"])
+    shape = tuple(x.shape[a] for a in axes)
+    return _relayout(jax.lax.transpose_p, x, params, axes, shape)
 
 
 @rule(jax.lax.reshape_p)
@@ -622,26 +616,18 @@ def _reshape(x: Sparse, **params: Any) -> Sparse | Array:
         return densify(
             jax.lax.reshape_p, [x], params, reason="reshape with `dimensions`"
         )
-    new_sizes = tuple(int(d) for d in params["new_sizes"])
-    batch = x.indices.shape[:-1]
-    if new_sizes[: len(batch)] == batch:
-        # Flat row-major event indices do not change under a reshape of the events.
-        return Sparse._build(x.indices, x.values, new_sizes[len(batch) :])
-    if not _fits(new_sizes):
-        return densify(jax.lax.reshape_p, [x], params, reason="too large")
-    return _fold_batch(x, new_sizes)
+    shape = tuple(int(d) for d in params["new_sizes"])
+    return _relayout(jax.lax.reshape_p, x, params, None, shape)
 
 
 @rule(jax.lax.reduce_sum_p)
 def _reduce_sum(x: Sparse, **params: Any) -> Sparse | Array:
-    axes = {int(a) for a in params["axes"]}
-    n_batch = x.indices.ndim - 1
-    if all(a >= n_batch for a in axes):
-        keep = tuple(a - n_batch for a in range(n_batch, x.ndim) if a not in axes)
-        return _select_axes(x, keep, False)
-    if not _fits(x.shape):
-        return densify(jax.lax.reduce_sum_p, [x], params, reason="too large")
-    return _select_axes(x, tuple(a for a in range(x.ndim) if a not in axes), True)
+    summed = {int(a) % max(x.ndim, 1) for a in params["axes"]}
+    if not summed:
+        return x
+    axes = tuple(a for a in range(x.ndim) if a not in summed)
+    shape = tuple(x.shape[a] for a in axes)
+    return _relayout(jax.lax.reduce_sum_p, x, params, axes, shape)
 
 
 # ----------------------------------------------------------------------------------
@@ -656,13 +642,11 @@ def _add_into_dense_kernel(s: Sparse, d: Array) -> Array:
     return out.astype(d.dtype).reshape(shape)
 
 
-def _add_into_dense(
-    primitive: jexc.Primitive, s: Sparse, d: ArrayLike, sparse_first: bool
-) -> Array:
-    operands = [s, d] if sparse_first else [d, s]
+@rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
+def _add_into_dense(s: Sparse, d: ArrayLike, *, primitive: jexc.Primitive) -> Array:
     d = jnp.asarray(d)
     if d.shape != s.shape or d.dtype != s.dtype or not _fits(s.shape):
-        return densify(primitive, operands, {}, reason="broadcast or mixed operands")
+        return densify(primitive, [s, d], {}, reason="broadcast or mixed operands")
     record_densification(
         primitive.name,
         ("Sparse",),
@@ -670,23 +654,3 @@ def _add_into_dense(
         "into the dense operand",
     )
     return _add_into_dense_kernel(s, d)
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
-    return _add_into_dense(add_any_p, x, y, True)
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
-    return _add_into_dense(add_any_p, y, x, False)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
-    return _add_into_dense(jax.lax.add_p, x, y, True)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
-    return _add_into_dense(jax.lax.add_p, y, x, False)
