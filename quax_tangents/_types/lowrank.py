@@ -289,7 +289,10 @@ def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
     """Concatenates the factors; broadcasting size-1 dims first (`lax.add` allows
     them) is exact on the factors."""
     if x.dtype != y.dtype:
-        return densify(primitive, [x, y], {}, reason="operands of different dtypes")
+        raise TypeError(
+            f"`{primitive.name}` of LowRank {x.dtype}{list(x.shape)} and LowRank "
+            f"{y.dtype}{list(y.shape)}: dtypes must match; cast one first."
+        )
     shape = jnp.broadcast_shapes(x.shape, y.shape)
     (x_left, x_right), (y_left, y_right) = (
         _broadcast_factors(x, shape),
