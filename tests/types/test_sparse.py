@@ -404,14 +404,25 @@ def test_mul_broadcasting_the_sparse_operand():
     assert qt.fallback_counts() == {("mul", "Sparse"): 1}
 
 
-def test_add_of_broadcast_sparse_operands_densifies():
+def test_add_of_broadcast_sparse_operands_spreads_the_entries():
+    """`lax.add` broadcasts size-1 dims: each entry spreads over them (exact)."""
     a = qt.Sparse(np.array([0]), np.ones(1, np.float32), (1, 3))
     b = qt.Sparse(np.array([4]), np.ones(1, np.float32), (2, 3))
+    qt.reset_fallback_counts()
+    with qt.fallback("error"):
+        out = quax.quaxify(jax.lax.sub)(a, b)
+    assert isinstance(out, qt.Sparse)
+    np.testing.assert_array_equal(out.materialise(), a.materialise() - b.materialise())
+
+
+def test_add_of_broadcast_sparse_operands_densifies_when_spreading_costs_more():
+    a = qt.Sparse(np.arange(3), np.ones(3, np.float32), (1, 3))
+    b = qt.Sparse(np.array([4]), np.ones(1, np.float32), (4, 3))
     qt.reset_fallback_counts()
     with qt.fallback("silent"):
         out = quax.quaxify(jax.lax.add)(a, b)
     np.testing.assert_array_equal(out, a.materialise() + b.materialise())
-    assert qt.fallback_counts() == {("add", "Sparse"): 1}
+    assert qt.fallback_counts() == {("mul", "Sparse"): 1, ("add", "Sparse"): 1}
 
 
 @settings(max_examples=8, deadline=None)
@@ -442,3 +453,23 @@ def test_dense_dot_general_path_matches_dense(data):
     ]
     scale = max(float(np.max(numpy_dot_general(*magnitudes, numbers))), 1.0)
     assert_close(out, expected, s.dtype, scale=scale, factor=2.0)
+
+
+@pytest.mark.parametrize("fn", [jnp.arcsin, jnp.arccos])
+def test_unstored_entries_stay_zero_where_the_derivative_is_not_finite(fn):
+    """Outside [-1, 1] the derivative is NaN: dense JAX gives NaN everywhere (0 times
+    NaN), a `Sparse` tangent NaN at its stored entries and exact zeros elsewhere, as
+    JAX's symbolic zeros would."""
+    x = jnp.full((3, 4), 2.0)
+    t = qt.Sparse(np.array([1, 6]), np.ones(2, np.float32), (3, 4))
+    with qt.fallback("error"):
+        _, out = qt.jvp(fn, (x,), (t,))
+    assert isinstance(out, qt.Sparse)
+    got = np.asarray(out.materialise())
+    stored = np.zeros(12, bool)
+    stored[[1, 6]] = True
+    stored = stored.reshape(3, 4)
+    assert np.all(np.isnan(got[stored]))
+    np.testing.assert_array_equal(got[~stored], 0.0)
+    dense = jax.jvp(fn, (x,), (t.materialise(),))[1]
+    assert np.all(np.isnan(np.asarray(dense)))
