@@ -284,7 +284,9 @@ def _cases():
         for type_name in TYPE_NAMES:
             for mode in ("jvp", "vjp", "vmap"):
                 reason = _XFAIL.get((_op_id(op), type_name, mode))
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                marks = (
+                    [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                )
                 name = f"{mode}-{_op_id(op)}-{type_name}"
                 yield pytest.param(mode, op, type_name, id=name, marks=marks)
 

@@ -19,8 +19,8 @@ import quax_tangents as qt
 from quax_tangents import _validate
 from quax_tangents._registry import RULES, dispatch_log
 from tests.helpers import assert_close
-from tests.helpers.values import TYPE_NAMES, compressed
 from tests.helpers.cases import load_all_cases
+from tests.helpers.values import TYPE_NAMES, compressed
 
 
 CASES = load_all_cases()
