@@ -209,7 +209,14 @@ OPS = _ops()
 @functools.cache
 def _primal(shape, seed):
     # Inside every domain used above: positive and below 1 (log, sqrt, asin, atanh).
-    return random_array(seed, shape, low=0.1, high=0.9)
+    return np.asarray(random_array(seed, shape, low=0.1, high=0.9))
+
+
+# Each case compiles once; XLA's backend optimisations cost more than they save here.
+_FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
 
 
 def _total_counts() -> int:
@@ -225,7 +232,7 @@ def _inputs(mode: str, op: Op, type_name: str):
         return (primals, seed) if seed is not None else f"no {out_shape} {type_name}"
     batch = (2,) if mode == "vmap" else ()
     if mode == "vmap":
-        primals = tuple(jnp.stack([p, p * 0.5 + 0.1]) for p in primals)
+        primals = tuple(jnp.asarray(np.stack([p, p * 0.5 + 0.1])) for p in primals)
     tangents = tuple(
         compressed(type_name, (*batch, *s), 10 * i + 1) for i, s in enumerate(op.shapes)
     )
@@ -252,26 +259,37 @@ def _check(type_name: str, mode: str, op: Op):
     given = _inputs(mode, op, type_name)
     if isinstance(given, str):
         pytest.skip(given)
-    with qt.fallback("silent"):
+    is_value = lambda x: isinstance(x, qt.CompressedArray)  # noqa: E731
+    traced = {}
+
+    def run(given):
+        # Counting and dispatch happen while tracing: record what we need then, and
+        # compile the case (quax-tangents and dense JAX) as one program.
         before = _total_counts()
         got, expected = _outputs(mode, op, *given)
-        densified = _total_counts() > before
-    is_value = lambda x: isinstance(x, qt.CompressedArray)  # noqa: E731
-    leaves, tree = jax.tree.flatten(got, is_leaf=is_value)
-    want, want_tree = jax.tree.flatten(expected)
-    assert tree == want_tree, (tree, want_tree)
-    for out, expected in zip(leaves, want, strict=True):
-        dense = qt.materialise(out)
-        assert dense.shape == expected.shape, (dense.shape, expected.shape)
-        assert dense.dtype == expected.dtype, (dense.dtype, expected.dtype)
-        assert_close(dense, expected, factor=8.0)
+        traced["densified"] = _total_counts() > before
+        leaves, traced["tree"] = jax.tree.flatten(got, is_leaf=is_value)
+        traced["compressed"] = [is_value(x) for x in leaves]
+        want, traced["want_tree"] = jax.tree.flatten(expected)
+        return [x.materialise() if is_value(x) else x for x in leaves], want
+
+    with qt.fallback("silent"):
+        got, want = jax.jit(run, compiler_options=_FAST_COMPILE)(given)
+    assert traced["tree"] == traced["want_tree"], traced
+    for out, expected, compressed_out in zip(
+        got, want, traced["compressed"], strict=True
+    ):
+        assert out.shape == expected.shape, (out.shape, expected.shape)
+        assert out.dtype == expected.dtype, (out.dtype, expected.dtype)
+        assert_close(out, expected, factor=8.0)
         # A vector needs no counting (under vmap the rules see one example: a vector
         # each); nor does an all-zero output, which JAX makes from a symbolic zero
         # (`floor`, `stop_gradient`), not from the tangent.
+        example_shape = expected.shape[1:] if mode == "vmap" else expected.shape
         assert (
-            is_value(out)
-            or densified
-            or is_vector_shape(expected.shape[1:] if mode == "vmap" else expected.shape)
+            compressed_out
+            or traced["densified"]
+            or is_vector_shape(example_shape)
             or not np.any(np.asarray(expected))
         ), f"a dense {expected.shape} output and no densification counted"
 
