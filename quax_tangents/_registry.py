@@ -106,9 +106,10 @@ def _takes_primitive(fn: Callable[..., Any]) -> bool:
 
 def _dispatcher(
     fn: Callable[..., Any], primitive: jexc.Primitive, swapped: bool
-) -> tuple[Callable[..., Any], list[inspect.Parameter]]:
+) -> tuple[Callable[..., Any], list[inspect.Parameter], list[RuleEntry]]:
     """The function quax registers: `fn` with the operands in dispatch order, plus
-    the primitive when `fn` asks for it, logging its entry."""
+    the primitive when `fn` asks for it, logging its entry (appended to the returned
+    list once it exists)."""
     operands = _operands(fn)
     extra = {"primitive": primitive} if _takes_primitive(fn) else {}
     if swapped:
@@ -135,8 +136,7 @@ def _dispatcher(
     dispatched.__annotations__ = {p.name: p.annotation for p in parameters[:-1]}
     dispatched.__name__ = dispatched.__qualname__ = f"{fn.__name__}[{primitive.name}]"
     dispatched.__module__ = fn.__module__
-    dispatched._entry = entry  # type: ignore[attr-defined]
-    return dispatched, operands
+    return dispatched, operands, entry
 
 
 def rule(
@@ -170,7 +170,7 @@ def rule(
             raise TypeError(f"`commutative=True` needs two operands, in {fn.__name__}.")
         for primitive in primitives:
             for swapped in orders:
-                dispatched, operands = _dispatcher(fn, primitive, swapped)
+                dispatched, operands, slot = _dispatcher(fn, primitive, swapped)
                 entry = RuleEntry(
                     primitive,
                     tuple(_label(p) for p in operands),
@@ -178,7 +178,7 @@ def rule(
                     dense_output,
                     swapped,
                 )
-                dispatched._entry.append(entry)  # type: ignore[attr-defined]
+                slot.append(entry)
                 quax.register(primitive, precedence=precedence)(dispatched)
                 RULES.append(entry)
         return fn

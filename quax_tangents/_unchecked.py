@@ -8,7 +8,7 @@ validating user input.
 """
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 
 _T = TypeVar("_T")
@@ -17,7 +17,7 @@ _T = TypeVar("_T")
 def unchecked(cls: type[_T], **fields: Any) -> _T:
     """A module of `cls` from all of its fields, without running `__init__` or
     `__check_init__` (equinox runs `__check_init__` only from `__init__`)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
     if set(fields) != names:
         raise TypeError(
             f"{cls.__name__} needs fields {sorted(names)}, got {sorted(fields)}."

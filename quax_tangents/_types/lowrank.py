@@ -309,7 +309,7 @@ def _plus_dense(x: LowRank, y: ArrayLike, *, primitive: Any) -> Array:
     if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
         return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
     record_densification(primitive.name, ("LowRank",), "a sum with a dense array")
-    return y + x.materialise()
+    return jnp.asarray(y) + x.materialise()
 
 
 # ---------------------------------------------------------------------------------------

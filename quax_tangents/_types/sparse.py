@@ -332,10 +332,11 @@ def _sum(x: Sparse, y: Sparse, *, primitive: jexc.Primitive) -> Sparse | Array:
     if not _fits(shape):
         return densify(primitive, [x, y], {}, reason="too large for int32 indices")
     # `lax.add` broadcasts size-1 dims: spread the entries first (exact).
-    x, y = _broadcast_to(x, shape), _broadcast_to(y, shape)
-    if not (isinstance(x, Sparse) and isinstance(y, Sparse)):
-        return densify(primitive, [x, y], {}, reason="broadcasting made one dense")
-    return _concatenate(x, y, primitive is jax.lax.sub_p)
+    wide_x, wide_y = _broadcast_to(x, shape), _broadcast_to(y, shape)
+    if not (isinstance(wide_x, Sparse) and isinstance(wide_y, Sparse)):
+        why = "broadcasting made one dense"
+        return densify(primitive, [wide_x, wide_y], {}, reason=why)
+    return _concatenate(wide_x, wide_y, primitive is jax.lax.sub_p)
 
 
 def _broadcast_to(x: Sparse, shape: tuple[int, ...]) -> Sparse | Array:
