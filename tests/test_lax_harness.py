@@ -294,20 +294,12 @@ def _check(type_name: str, mode: str, op: Op):
         ), f"a dense {expected.shape} output and no densification counted"
 
 
-# Cases that fail for a known reason; each is strict, so a fix makes it fail loudly.
-_XFAIL: dict[tuple[str, str, str], str] = {}
-
-
 def _cases():
     for op in OPS:
         for type_name in TYPE_NAMES:
             for mode in ("jvp", "vjp", "vmap"):
-                reason = _XFAIL.get((_op_id(op), type_name, mode))
-                marks = (
-                    [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                )
                 name = f"{mode}-{_op_id(op)}-{type_name}"
-                yield pytest.param(mode, op, type_name, id=name, marks=marks)
+                yield pytest.param(mode, op, type_name, id=name)
 
 
 @pytest.mark.parametrize("mode, op, type_name", list(_cases()))
