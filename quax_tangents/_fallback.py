@@ -170,6 +170,21 @@ def record_densification(
             )
 
 
+def is_vector_shape(shape: tuple[int, ...]) -> bool:
+    """At most one dimension other than 1: no factorisation or block layout would
+    make such an array smaller."""
+    return sum(d != 1 for d in shape) <= 1
+
+
+def record_dense_result(
+    primitive: str, type_names: tuple[str, ...], shape: tuple[int, ...], reason: str
+) -> None:
+    """Records a rule's dense result of `shape` computed from compressed parts,
+    unless it is a vector (see `is_vector_shape`), which needs no counting."""
+    if not is_vector_shape(tuple(shape)):
+        record_densification(primitive, type_names, reason)
+
+
 def record_budget_event(primitive: str, action: str) -> None:
     """Counts one rank-budget recompression."""
     if not _settings.dry_run:

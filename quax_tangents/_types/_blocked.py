@@ -24,6 +24,7 @@ from .. import _validate
 from .._base import CompressedArray, densify
 from .._devices import axis_size, gather
 from .._registry import rule
+from .._unchecked import unchecked
 
 
 def event_size(event_shape: Sequence[int]) -> int:
@@ -73,24 +74,6 @@ def check_shape(
         raise ValueError(
             f"`{name}` has shape {tuple(actual)}, expected {tuple(expected)} ({why})."
         )
-
-
-def unchecked(cls: type, **fields: Any) -> Any:
-    """Builds a module of `cls` from all of its fields without running `__init__` or
-    `__check_init__`, exactly as unflattening under `jit`/`vmap` does.
-
-    Rules use it: their outputs are consistent by construction, and value checks
-    (finiteness) must not fire on legitimate dense semantics such as `x * inf`.
-    """
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(fields) != names:
-        raise TypeError(
-            f"{cls.__name__} needs fields {sorted(names)}, got {sorted(fields)}."
-        )
-    obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
-    return obj
 
 
 def fields_of(module: Any) -> dict[str, Any]:

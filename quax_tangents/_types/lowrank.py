@@ -3,7 +3,8 @@
 Every rule this representation registers lives in this file. Where a result has no
 low-rank form the rule computes it from the factors (never by materialising first when
 a cheaper route exists) and records the densification with the fallback policy, unless
-the result has at most one dimension, which no matrix factorisation could hold anyway.
+the result has at most one dimension other than 1, which no matrix factorisation could
+hold anyway (`_fallback.record_dense_result`). Rules build their outputs unchecked.
 """
 
 import functools as ft
@@ -18,9 +19,16 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 from .. import _validate
 from .._base import CompressedArray, densify
 from .._devices import axis_size, gather_along
-from .._fallback import budget_settings, record_budget_event, record_densification
+from .._fallback import (
+    budget_settings,
+    is_vector_shape,
+    record_budget_event,
+    record_dense_result,
+    record_densification,
+)
 from .._lax import add_any_p
 from .._registry import rule
+from .._unchecked import unchecked
 
 
 class LowRank(CompressedArray):
@@ -220,9 +228,13 @@ def _range_finder(
 # Helpers shared by the rules
 
 
+def _lowrank(left: Array, right: Array) -> LowRank:
+    """A rule's output, built without value checks (see `_unchecked`)."""
+    return unchecked(LowRank, left=left, right=right)
+
+
 def _dense_from_factors(primitive: Any, result: Array, reason: str) -> Array:
-    if result.ndim >= 2:
-        record_densification(primitive.name, ("LowRank",), reason)
+    record_dense_result(primitive.name, ("LowRank",), result.shape, reason)
     return result
 
 
@@ -257,20 +269,26 @@ def within_budget(primitive: Any, left: Array, right: Array) -> LowRank | Array:
         _budget_rank(m, n) if max_rank is None else min(_budget_rank(m, n), max_rank)
     )
     if rank * (m + n) < m * n and (max_rank is None or rank <= max_rank):
-        return LowRank(left, right)
+        return _lowrank(left, right)
     if action == "recompress":
         record_budget_event(primitive.name, "recompress")
-        return LowRank(*truncate(left, right, min(limit, rank)))
-    record_densification(
-        primitive.name,
-        ("LowRank",),
+        return _lowrank(*truncate(left, right, min(limit, rank)))
+    product = jnp.matmul(left, jnp.swapaxes(right, -1, -2))
+    return _dense_from_factors(
+        primitive,
+        product,
         f"rank {rank} is over the budget for {m}x{n}; see `quax_tangents.rank_budget`",
     )
-    return jnp.matmul(left, jnp.swapaxes(right, -1, -2))
 
 
-def _is_scalar(x: ArrayLike) -> bool:
-    return jnp.ndim(x) == 0
+def _broadcast_factors(x: LowRank, shape: tuple[int, ...]) -> tuple[Array, Array]:
+    """The factors of `x` broadcast (numpy-style, size-1 dims) to `shape`; exact, since
+    a size-1 matrix dim of the product is a size-1 dim of one factor."""
+    lead, (m, n), r = tuple(shape[:-2]), shape[-2:], x.rank
+    return (
+        jnp.broadcast_to(x.left, (*lead, m, r)),
+        jnp.broadcast_to(x.right, (*lead, n, r)),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,7 +297,7 @@ def _is_scalar(x: ArrayLike) -> bool:
 
 @rule(jax.lax.neg_p)
 def _neg(x: LowRank) -> LowRank:
-    return LowRank(-x.left, x.right)
+    return _lowrank(-x.left, x.right)
 
 
 @rule(jax.lax.copy_p)
@@ -296,101 +314,63 @@ def _convert(x: LowRank, *, new_dtype: Any, **params: Any) -> LowRank | Array:
             dict(new_dtype=new_dtype, **params),
             reason="a non-floating result has no tangent-like low-rank form",
         )
-    return LowRank(x.left.astype(new_dtype), x.right.astype(new_dtype))
+    return _lowrank(x.left.astype(new_dtype), x.right.astype(new_dtype))
 
 
-def _scale(x: LowRank, y: ArrayLike, params: dict) -> LowRank | Array:
+@rule(jax.lax.mul_p, commutative=True)
+def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     """`x * y` for a dense `y` that is a scalar, a row vector or a column vector.
 
     lax.mul broadcasts size-1 dims, so `x * v` reaches us as shape (..., 1, n) or
     (..., m, 1). A full (..., m, n) operand has no low-rank product.
     """
     y = jnp.asarray(y)
+    if y.ndim == 0:
+        return _lowrank(x.left * y.astype(x.dtype), x.right)
     out_shape = jnp.broadcast_shapes(x.shape, y.shape)
-    if _is_scalar(y):
-        return LowRank(x.left * y.astype(x.dtype), x.right)
-    m, n = x.shape[-2:]
-    rows, cols = y.shape[-2:]
-    if out_shape[-2:] != (m, n) or (rows != 1 and cols != 1):
+    rows, cols = y.shape[-2:] if y.ndim >= 2 else (1, y.shape[-1])
+    if rows != 1 and cols != 1:
         return densify(
             jax.lax.mul_p,
             [x, y],
             params,
             reason="elementwise product with a full matrix",
         )
-    lead = out_shape[:-2]
-    left = jnp.broadcast_to(x.left, lead + x.left.shape[-2:])
-    right = jnp.broadcast_to(x.right, lead + x.right.shape[-2:])
-    if rows == 1 and cols == 1:
-        left = left * y.astype(x.dtype)
-    elif rows == 1:
-        right = right * jnp.swapaxes(y, -1, -2).astype(x.dtype)
+    left, right = _broadcast_factors(x, out_shape)
+    y = jnp.broadcast_to(y, (*out_shape[:-2], rows, cols)).astype(x.dtype)
+    if cols == 1:
+        left = left * y
     else:
-        left = left * y.astype(x.dtype)
-    return LowRank(left, right)
+        right = right * jnp.swapaxes(y, -1, -2)
+    return _lowrank(left, right)
 
 
-@rule(jax.lax.mul_p)
-def _mul_dense_right(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
-    return _scale(x, y, params)
-
-
-@rule(jax.lax.mul_p)
-def _mul_dense_left(y: ArrayLike, x: LowRank, **params: Any) -> LowRank | Array:
-    return _scale(x, y, params)
-
-
-def _concat(primitive: Any, x: LowRank, y: LowRank, sign: int) -> LowRank | Array:
-    if x.shape != y.shape or x.dtype != y.dtype:
+@rule(add_any_p, jax.lax.add_p, jax.lax.sub_p)
+def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
+    """Concatenates the factors; broadcasting size-1 dims first (`lax.add` allows
+    them) is exact on the factors."""
+    if x.dtype != y.dtype:
         raise TypeError(
             f"`{primitive.name}` of LowRank {x.dtype}{list(x.shape)} and LowRank "
-            f"{y.dtype}{list(y.shape)}: shapes and dtypes must match."
+            f"{y.dtype}{list(y.shape)}: dtypes must match; cast one first."
         )
-    left = jnp.concatenate([x.left, y.left if sign > 0 else -y.left], axis=-1)
-    right = jnp.concatenate([x.right, y.right], axis=-1)
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    (x_left, x_right), (y_left, y_right) = (
+        _broadcast_factors(x, shape),
+        _broadcast_factors(y, shape),
+    )
+    y_left = -y_left if primitive is jax.lax.sub_p else y_left
+    left = jnp.concatenate([x_left, y_left], axis=-1)
+    right = jnp.concatenate([x_right, y_right], axis=-1)
     return within_budget(primitive, left, right)
 
 
-def _plus_dense(primitive: Any, x: LowRank, y: ArrayLike) -> Array:
+@rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
+def _plus_dense(x: LowRank, y: ArrayLike, *, primitive: Any) -> Array:
     if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
         return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
     record_densification(primitive.name, ("LowRank",), "a sum with a dense array")
-    return y + x.materialise()
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_dense_right(x: LowRank, y: ArrayLike) -> Array:
-    return _plus_dense(add_any_p, x, y)
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_dense_left(y: ArrayLike, x: LowRank) -> Array:
-    return _plus_dense(add_any_p, x, y)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_dense_right(x: LowRank, y: ArrayLike) -> Array:
-    return _plus_dense(jax.lax.add_p, x, y)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_dense_left(y: ArrayLike, x: LowRank) -> Array:
-    return _plus_dense(jax.lax.add_p, x, y)
-
-
-@rule(add_any_p)
-def _add_any(x: LowRank, y: LowRank) -> LowRank | Array:
-    return _concat(add_any_p, x, y, 1)
-
-
-@rule(jax.lax.add_p)
-def _add(x: LowRank, y: LowRank) -> LowRank | Array:
-    return _concat(jax.lax.add_p, x, y, 1)
-
-
-@rule(jax.lax.sub_p)
-def _sub(x: LowRank, y: LowRank) -> LowRank | Array:
-    return _concat(jax.lax.sub_p, x, y, -1)
+    return jnp.asarray(y) + x.materialise()
 
 
 # ---------------------------------------------------------------------------------------
@@ -412,19 +392,27 @@ def _transpose(x: LowRank, *, permutation: tuple[int, ...]) -> LowRank | Array:
     left = jnp.transpose(x.left, factor_perm)
     right = jnp.transpose(x.right, factor_perm)
     if matrix_perm == (nb, nb + 1):
-        return LowRank(left, right)
-    return LowRank(right, left)
+        return _lowrank(left, right)
+    return _lowrank(right, left)
 
 
 @rule(jax.lax.reshape_p)
 def _reshape(
     x: LowRank, *, new_sizes: tuple[int, ...], **params: Any
 ) -> LowRank | Array:
-    if params.get("dimensions") is None and tuple(new_sizes[-2:]) == x.shape[-2:]:
-        lead = tuple(new_sizes[:-2])
-        left = jnp.reshape(x.left, lead + x.left.shape[-2:])
-        right = jnp.reshape(x.right, lead + x.right.shape[-2:])
-        return LowRank(left, right)
+    new_sizes = tuple(new_sizes)
+    if params.get("dimensions") is None:
+        if len(new_sizes) >= 2 and new_sizes[-2:] == x.shape[-2:]:
+            lead = new_sizes[:-2]
+            left = jnp.reshape(x.left, lead + x.left.shape[-2:])
+            right = jnp.reshape(x.right, lead + x.right.shape[-2:])
+            return _lowrank(left, right)
+        if is_vector_shape(new_sizes):
+            return _dense_from_factors(
+                jax.lax.reshape_p,
+                jnp.reshape(x.materialise(), new_sizes),
+                "a vector",
+            )
     return densify(
         jax.lax.reshape_p,
         [x],
@@ -441,19 +429,27 @@ def _broadcast(
     broadcast_dimensions: tuple[int, ...],
     **params,
 ) -> LowRank | Array:
-    new = len(shape) - x.ndim
-    if tuple(broadcast_dimensions) == tuple(range(new, len(shape))) and (
-        tuple(shape[new:]) == x.shape
-    ):
+    """Keeps the factors when the matrix dims stay the last two (each may grow from
+    size 1) and the batch dims keep their order."""
+    dims, out_nd = tuple(broadcast_dimensions), len(shape)
+    nb = x.ndim - 2
+    if dims[nb:] == (out_nd - 2, out_nd - 1) and list(dims[:nb]) == sorted(dims[:nb]):
         lead = tuple(shape[:-2])
-        left = jnp.broadcast_to(x.left, lead + x.left.shape[-2:])
-        right = jnp.broadcast_to(x.right, lead + x.right.shape[-2:])
-        return LowRank(left, right)
+        factor_dims = dims[:nb] + (out_nd - 2, out_nd - 1)
+        left = jax.lax.broadcast_in_dim(x.left, lead + (shape[-2], x.rank), factor_dims)
+        right = jax.lax.broadcast_in_dim(
+            x.right, lead + (shape[-1], x.rank), factor_dims
+        )
+        return _lowrank(left, right)
+    params = dict(shape=shape, broadcast_dimensions=broadcast_dimensions, **params)
+    if is_vector_shape(tuple(shape)):
+        result = jax.lax.broadcast_in_dim_p.bind(x.materialise(), **params)
+        return _dense_from_factors(jax.lax.broadcast_in_dim_p, result, "a vector")
     return densify(
         jax.lax.broadcast_in_dim_p,
         [x],
-        dict(shape=shape, broadcast_dimensions=broadcast_dimensions, **params),
-        reason="only new leading dims keep the factors",
+        params,
+        reason="the matrix dims move",
     )
 
 
@@ -461,6 +457,8 @@ def _broadcast(
 def _reduce_sum(x: LowRank, *, axes: tuple[int, ...], **params: Any) -> LowRank | Array:
     nb = x.ndim - 2
     axes = tuple(sorted(a % x.ndim for a in axes))
+    if not axes:
+        return x
     batch_axes = tuple(a for a in axes if a < nb)
     matrix_axes = tuple(a for a in axes if a >= nb)
     left, right = x.left, x.right
@@ -481,7 +479,6 @@ def _reduce_sum(x: LowRank, *, axes: tuple[int, ...], **params: Any) -> LowRank 
         left, right = gather(left), gather(right)
         if not matrix_axes:
             return within_budget(jax.lax.reduce_sum_p, left, right)
-    nb = left.ndim - 2
     if matrix_axes == (x.ndim - 2, x.ndim - 1):
         result = jnp.einsum("...mr,...nr->...", left, right)
     elif matrix_axes == (x.ndim - 1,):
@@ -530,12 +527,12 @@ def _dot(x: LowRank, d: Array, x_is_lhs: bool, params: dict) -> LowRank | Array:
     kept = kept.astype(out_dtype)
     d_free = applied.shape[nb:-1]
     if x_is_lhs and len(d_free) == 1:
-        return LowRank(kept, applied)
+        return _lowrank(kept, applied)
     if not x_is_lhs and len(d_free) >= 1:
         # Extra free dims of `d` become leading dims of the result.
         lead = applied.shape[:-2]
         kept = jnp.expand_dims(kept, tuple(range(nb, nb + len(d_free) - 1)))
-        return LowRank(applied, jnp.broadcast_to(kept, lead + kept.shape[-2:]))
+        return _lowrank(applied, jnp.broadcast_to(kept, lead + kept.shape[-2:]))
     if x_is_lhs:
         result = jnp.einsum(
             "...pr,...Fr->...pF",

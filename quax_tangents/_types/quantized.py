@@ -261,11 +261,6 @@ def _neg(x: Quantized) -> Quantized:
     return x._replace(scales=-x.scales)
 
 
-@rule(lax.mul_p)
-def _mul_scalar_right(x: Quantized, y: ArrayLike, **params: Any) -> Quantized | Array:
+@rule(lax.mul_p, commutative=True)
+def _mul_scalar(x: Quantized, y: ArrayLike, **params: Any) -> Quantized | Array:
     return x._mul_scalar(y, (x, y), params)
-
-
-@rule(lax.mul_p)
-def _mul_scalar_left(x: ArrayLike, y: Quantized, **params: Any) -> Quantized | Array:
-    return y._mul_scalar(x, (x, y), params)

@@ -251,11 +251,6 @@ def _neg(x: SignNorm) -> SignNorm:
     return x._replace(bits=jnp.bitwise_not(x.bits))
 
 
-@rule(lax.mul_p)
-def _mul_scalar_right(x: SignNorm, y: ArrayLike, **params: Any) -> SignNorm | Array:
+@rule(lax.mul_p, commutative=True)
+def _mul_scalar(x: SignNorm, y: ArrayLike, **params: Any) -> SignNorm | Array:
     return x._mul_scalar(y, (x, y), params)
-
-
-@rule(lax.mul_p)
-def _mul_scalar_left(x: ArrayLike, y: SignNorm, **params: Any) -> SignNorm | Array:
-    return y._mul_scalar(x, (x, y), params)

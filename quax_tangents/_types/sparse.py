@@ -23,12 +23,13 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from .. import _validate
 from .._base import CompressedArray, densify
 from .._devices import axis_size, gather_along
-from .._fallback import record_densification
+from .._fallback import record_dense_result, record_densification
 from .._lax import add_any_p
 from .._registry import rule
+from . import _flat_index as _ix
 
 
-_INDEX_DTYPE = jnp.int32
+_INDEX_DTYPE = _ix.INDEX_DTYPE
 _MAX_SIZE = int(np.iinfo(np.int32).max)
 _INDEX_BYTES = jnp.dtype(_INDEX_DTYPE).itemsize
 
@@ -41,44 +42,6 @@ def _accumulation_dtype(dtype: Any) -> Any:
     """Sums of half-precision values accumulate in float32, as XLA does for dense
     reductions; wider dtypes accumulate in themselves."""
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def _strides(shape: Sequence[int]) -> list[int]:
-    strides = []
-    stride = 1
-    for side in reversed(shape):
-        strides.append(stride)
-        stride *= side
-    return strides[::-1]
-
-
-def _unravel(flat: Array, shape: Sequence[int]) -> list[Array]:
-    """Row-major coordinates of non-negative flat indices (each of `flat`'s shape)."""
-    coords = []
-    for axis, (stride, side) in enumerate(zip(_strides(shape), shape, strict=True)):
-        coord = flat if stride == 1 else jax.lax.div(flat, _INDEX_DTYPE(stride))
-        if axis > 0:
-            coord = jax.lax.rem(coord, _INDEX_DTYPE(max(side, 1)))
-        coords.append(coord)
-    return coords
-
-
-def _ravel(coords: Sequence[Array], shape: Sequence[int], like: Array) -> Array:
-    """Row-major flat indices of coordinates; zeros shaped like `like` for `()`."""
-    flat = None
-    for coord, stride in zip(coords, _strides(shape), strict=True):
-        term = coord.astype(_INDEX_DTYPE)
-        term = term if stride == 1 else term * _INDEX_DTYPE(stride)
-        flat = term if flat is None else flat + term
-    return jnp.zeros(jnp.shape(like), _INDEX_DTYPE) if flat is None else flat
-
-
-def _gather(array: Array, *indices: Array) -> Array:
-    return array.at[indices].get(mode="promise_in_bounds", wrap_negative_indices=False)
-
-
-def _scatter_add(array: Array, indices: Any, updates: Array) -> Array:
-    return array.at[indices].add(updates, mode="drop", wrap_negative_indices=False)
 
 
 def _fits(shape: Sequence[int]) -> bool:
@@ -234,7 +197,7 @@ def _materialise(x: Sparse) -> Array:
     values = x.values.reshape(rows, x.k).astype(acc)
     row = jnp.arange(rows, dtype=_INDEX_DTYPE)[:, None]
     dense = jnp.zeros((rows, _size(x.event_shape)), acc)
-    dense = _scatter_add(dense, (row, indices), values)
+    dense = _ix.scatter_add(dense, (row, indices), values)
     return dense.astype(x.values.dtype).reshape(batch + x.event_shape)
 
 
@@ -279,6 +242,15 @@ def _out_aval(
         for x in operands
     ]
     return jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *structs)
+
+
+def _why_dense(s: Sparse, out: jax.ShapeDtypeStruct) -> str | None:
+    """Why a product of `s` giving `out` cannot stay sparse, or `None`."""
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return f"{out.dtype} result is not floating"
+    if not (_fits(s.shape) and _fits(out.shape)):
+        return "too large for int32 indices"
+    return None
 
 
 def _sparse_bytes(nnz: int, dtype: Any) -> int:
@@ -345,7 +317,7 @@ def _top_k(x: Array, k: int) -> Sparse:
     flat = x.reshape(-1)
     _, indices = jax.lax.top_k(jnp.abs(flat), k)
     # Valid by construction (and `x` was checked): no checks that would sync.
-    return Sparse._build(indices, _gather(flat, indices), x.shape)
+    return Sparse._build(indices, _ix.gather(flat, indices), x.shape)
 
 
 # ----------------------------------------------------------------------------------
@@ -360,21 +332,16 @@ def _neg(x: Sparse) -> Sparse:
 
 @rule(jax.lax.copy_p)
 def _copy(x: Sparse) -> Sparse:
-    return Sparse._build(
-        jax.lax.copy_p.bind(x.indices), jax.lax.copy_p.bind(x.values), x.event_shape
-    )
+    copy = jax.lax.copy_p.bind
+    return Sparse._build(copy(x.indices), copy(x.values), x.event_shape)
 
 
 @rule(jax.lax.convert_element_type_p)
 def _convert_element_type(x: Sparse, **params: Any) -> Sparse | Array:
     new_dtype = params["new_dtype"]
     if not jnp.issubdtype(new_dtype, jnp.floating):
-        return densify(
-            jax.lax.convert_element_type_p,
-            [x],
-            params,
-            reason=f"a Sparse holds floating values, not {jnp.dtype(new_dtype)}",
-        )
+        why = f"a Sparse holds floating values, not {jnp.dtype(new_dtype)}"
+        return densify(jax.lax.convert_element_type_p, [x], params, reason=why)
     values = jax.lax.convert_element_type_p.bind(
         x.values, **{**params, "sharding": None}
     )
@@ -399,42 +366,37 @@ def _concatenate(x: Sparse, y: Sparse, negate_y: bool) -> Sparse:
     )
 
 
-def _sum_of_sparse(
-    primitive: jexc.Primitive, x: Sparse, y: Sparse, negate_y: bool
-) -> Sparse | Array:
-    if x.shape != y.shape or x.dtype != y.dtype:
-        return densify(primitive, [x, y], {}, reason="operands of different avals")
-    if not _fits(x.shape):
+@rule(add_any_p, jax.lax.add_p, jax.lax.sub_p)
+def _sum(x: Sparse, y: Sparse, *, primitive: jexc.Primitive) -> Sparse | Array:
+    if x.dtype != y.dtype:
+        return densify(primitive, [x, y], {}, reason="operands of different dtypes")
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    if not _fits(shape):
         return densify(primitive, [x, y], {}, reason="too large for int32 indices")
-    return _concatenate(x, y, negate_y)
+    # `lax.add` broadcasts size-1 dims: spread the entries first (exact).
+    wide_x, wide_y = _broadcast_to(x, shape), _broadcast_to(y, shape)
+    if not (isinstance(wide_x, Sparse) and isinstance(wide_y, Sparse)):
+        why = "broadcasting made one dense"
+        return densify(primitive, [wide_x, wide_y], {}, reason=why)
+    return _concatenate(wide_x, wide_y, primitive is jax.lax.sub_p)
 
 
-@rule(add_any_p)
-def _add_any(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(add_any_p, x, y, negate_y=False)
+def _broadcast_to(x: Sparse, shape: tuple[int, ...]) -> Sparse | Array:
+    """`x` broadcast over its size-1 dims to `shape`, as a product with ones."""
+    if x.shape == shape:
+        return x
+    return _mul_dense(x, jnp.ones(shape, x.dtype))
 
 
-@rule(jax.lax.add_p)
-def _add(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(jax.lax.add_p, x, y, negate_y=False)
-
-
-@rule(jax.lax.sub_p)
-def _sub(x: Sparse, y: Sparse) -> Sparse | Array:
-    return _sum_of_sparse(jax.lax.sub_p, x, y, negate_y=True)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def _mul_kernel(
     s: Sparse,
     d: Array,
-    sparse_first: bool,
     out_shape: tuple[int, ...],
     params: tuple[tuple[str, Any], ...],
 ) -> Sparse:
     def multiply(values: Array, gathered: Array) -> Array:
-        pair = (values, gathered) if sparse_first else (gathered, values)
-        return jax.lax.mul_p.bind(*pair, **dict(params))
+        return jax.lax.mul_p.bind(values, gathered, **dict(params))
 
     s_shape = s.shape if s.ndim else (1,) * d.ndim
     # Dims along which the sparse operand is broadcast: each entry spreads over them.
@@ -443,76 +405,53 @@ def _mul_kernel(
 
     def dense_index(coords: list[Array], like: Array) -> Array:
         coords = [c if d.shape[a] != 1 else c * 0 for a, c in enumerate(coords)]
-        return _ravel(coords, d.shape, like)
+        return _ix.ravel(coords, d.shape, like)
 
     if not expand:
         # Same positions; the values times the (broadcast) dense entries there.
         indices, _, _ = _flat(s)
-        coords = _unravel(indices.reshape(s.indices.shape), s_shape)
-        gathered = _gather(d_flat, dense_index(coords, s.indices))
+        coords = _ix.unravel(indices.reshape(s.indices.shape), s_shape)
+        gathered = _ix.gather(d_flat, dense_index(coords, s.indices))
         event_shape = out_shape[s.indices.ndim - 1 :]
         return Sparse._build(s.indices, multiply(s.values, gathered), event_shape)
     spread = _size([d.shape[a] for a in expand])
     indices, values, _ = _flat(s)
     grid_shape = (indices.size, spread)
     coords = [
-        jnp.broadcast_to(c[:, None], grid_shape) for c in _unravel(indices, s_shape)
+        jnp.broadcast_to(c[:, None], grid_shape) for c in _ix.unravel(indices, s_shape)
     ]
-    grid = _unravel(
+    grid = _ix.unravel(
         jnp.arange(spread, dtype=_INDEX_DTYPE), [d.shape[a] for a in expand]
     )
     for a, g in zip(expand, grid, strict=True):
         coords[a] = jnp.broadcast_to(g[None, :], grid_shape)
     like = coords[0]
-    gathered = _gather(d_flat, dense_index(coords, like))
+    gathered = _ix.gather(d_flat, dense_index(coords, like))
     product = multiply(jnp.broadcast_to(values[:, None], grid_shape), gathered)
-    out_indices = _ravel(coords, out_shape, like)
+    out_indices = _ix.ravel(coords, out_shape, like)
     return Sparse._build(out_indices.reshape(-1), product.reshape(-1), out_shape)
 
 
-def _mul_dense(
-    s: Sparse, d: ArrayLike, sparse_first: bool, params: dict[str, Any]
-) -> Sparse | Array:
-    operands = [s, d] if sparse_first else [d, s]
+@rule(jax.lax.mul_p, commutative=True)
+def _mul_dense(s: Sparse, d: ArrayLike, **params: Any) -> Sparse | Array:
+    operands = [s, d]
     out = _out_aval(jax.lax.mul_p, operands, params)
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-        return densify(
-            jax.lax.mul_p,
-            operands,
-            params,
-            reason=f"{out.dtype} result is not floating",
-        )
+    if (why := _why_dense(s, out)) is not None:
+        return densify(jax.lax.mul_p, operands, params, reason=why)
     d = jnp.asarray(d)
     if d.ndim == 0:
-        pair = (s.values, d) if sparse_first else (d, s.values)
-        values = jax.lax.mul_p.bind(*pair, **params)
+        values = jax.lax.mul_p.bind(s.values, d, **params)
         return Sparse._build(s.indices, values, s.event_shape)
-    if not (_fits(s.shape) and _fits(out.shape)):
-        return densify(jax.lax.mul_p, operands, params, reason="too large for int32")
     s_shape = s.shape if s.ndim else (1,) * d.ndim
     spread = _size([d.shape[a] for a in range(d.ndim) if s_shape[a] == 1])
     nnz = s.indices.size * spread
     if spread > 1 and _sparse_bytes(nnz, out.dtype) > _dense_bytes(
         out.shape, out.dtype
     ):
-        return densify(
-            jax.lax.mul_p,
-            operands,
-            params,
-            reason=f"broadcasting gives {nnz} entries, more bytes than dense",
-        )
+        why = f"broadcasting gives {nnz} entries, more bytes than dense"
+        return densify(jax.lax.mul_p, operands, params, reason=why)
     static_params = tuple(sorted(params.items()))
-    return _mul_kernel(s, d, sparse_first, tuple(out.shape), static_params)
-
-
-@rule(jax.lax.mul_p)
-def _mul_sparse_dense(x: Sparse, y: ArrayLike, **params: Any) -> Sparse | Array:
-    return _mul_dense(x, y, True, params)
-
-
-@rule(jax.lax.mul_p)
-def _mul_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse | Array:
-    return _mul_dense(y, x, False, params)
+    return _mul_kernel(s, d, tuple(out.shape), static_params)
 
 
 def _dot_roles(
@@ -552,14 +491,14 @@ def _dot_kernel(
     # v_t * d[batch(x_t), contract(x_t), j] to the output at (batch(x_t), free(x_t), j)
     # for every free position j of the dense operand.
     indices, values, full = _flat(s)
-    coords = _unravel(indices, full)
-    batch_flat = _ravel([coords[a] for a in s_b], batch_shape, indices)
-    contract_flat = _ravel([coords[a] for a in s_c], contract_shape, indices)
-    s_free_flat = _ravel([coords[a] for a in s_f], s_free_shape, indices)
+    coords = _ix.unravel(indices, full)
+    batch_flat = _ix.ravel([coords[a] for a in s_b], batch_shape, indices)
+    contract_flat = _ix.ravel([coords[a] for a in s_c], contract_shape, indices)
+    s_free_flat = _ix.ravel([coords[a] for a in s_f], s_free_shape, indices)
     d3 = jnp.transpose(d, d_b + d_c + d_f).reshape(
         _size(batch_shape), _size(contract_shape), n_free
     )
-    gathered = _gather(d3, batch_flat, contract_flat)  # (nnz, n_free)
+    gathered = _ix.gather(d3, batch_flat, contract_flat)  # (nnz, n_free)
     j = jnp.arange(n_free, dtype=_INDEX_DTYPE)[None, :]
     if sparse_is_lhs:  # output dims: (batch, sparse free, dense free)
         out_indices = (batch_flat * n_s_free + s_free_flat)[:, None] * n_free + j
@@ -572,7 +511,7 @@ def _dot_kernel(
         # Scatter the products straight into the output, accumulating like XLA.
         acc = _accumulation_dtype(compute)
         product = values.astype(acc)[:, None] * gathered.astype(acc)
-        result = _scatter_add(
+        result = _ix.scatter_add(
             jnp.zeros(_size(out_shape), acc), out_indices, product.reshape(-1)
         )
         return result.astype(out_dtype).reshape(out_shape)
@@ -585,26 +524,18 @@ def _dot_general(
 ) -> Sparse | Array:
     operands = [s, d] if sparse_is_lhs else [d, s]
     out = _out_aval(jax.lax.dot_general_p, operands, params)
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-        return densify(
-            jax.lax.dot_general_p,
-            operands,
-            params,
-            reason=f"{out.dtype} result is not floating",
-        )
-    if not (_fits(s.shape) and _fits(out.shape)):
-        return densify(
-            jax.lax.dot_general_p, operands, params, reason="too large for int32"
-        )
+    if (why := _why_dense(s, out)) is not None:
+        return densify(jax.lax.dot_general_p, operands, params, reason=why)
     d = jnp.asarray(d)
     numbers = params["dimension_numbers"]
     *_, d_free = _dot_roles(s.ndim, d.ndim, numbers, sparse_is_lhs)
     nnz = s.indices.size * _size([d.shape[a] for a in d_free])
     dense = _sparse_bytes(nnz, out.dtype) > _dense_bytes(out.shape, out.dtype)
     if dense:
-        record_densification(
+        record_dense_result(
             jax.lax.dot_general_p.name,
             ("Sparse",),
+            tuple(out.shape),
             f"the exact sparse result has {nnz} entries, more bytes than the dense "
             f"{out.dtype}{list(out.shape)} result; computed by a scatter-add",
         )
@@ -624,38 +555,47 @@ def _dot_general_dense_sparse(x: ArrayLike, y: Sparse, **params: Any) -> Sparse 
     return _dot_general(y, x, False, params)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _select_axes(x: Sparse, axes: tuple[int, ...], fold_batch: bool) -> Sparse:
-    """Keeps the event axes `axes`, in that order (of the whole shape if
-    `fold_batch`, after folding the batch dims into the events): a transpose when
-    `axes` is a permutation, a sum over the others otherwise."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _remap(
+    x: Sparse, axes: tuple[int, ...] | None, shape: tuple[int, ...], fold_batch: bool
+) -> Sparse:
+    """The entries of `x` (its batch dims folded into the events if `fold_batch`)
+    keeping the event axes `axes` in that order: a transpose for a permutation, a sum
+    over the others otherwise; `axes=None` relabels the events as `shape` (reshape)."""
     if fold_batch:
-        indices, values, shape = _flat(x)
+        indices, values, event = _flat(x)
     else:
-        indices, values, shape = x.indices, x.values, x.event_shape
-    coords = _unravel(indices, shape)
-    new_shape = tuple(shape[a] for a in axes)
-    new_indices = _ravel([coords[a] for a in axes], new_shape, indices)
-    return Sparse._build(new_indices, values, new_shape)
+        indices, values, event = x.indices, x.values, x.event_shape
+    if axes is not None:
+        coords = _ix.unravel(indices, event)
+        indices = _ix.ravel([coords[a] for a in axes], shape, indices)
+    return Sparse._build(indices, values, shape)
+
+
+def _relayout(
+    primitive: jexc.Primitive,
+    x: Sparse,
+    params: dict[str, Any],
+    axes: tuple[int, ...] | None,
+    shape: tuple[int, ...],
+) -> Sparse | Array:
+    """`_remap` of the events when `axes` (whole-array axes) keep the batch dims in
+    place, else of the folded array (densified if int32 cannot index it)."""
+    n_batch = x.indices.ndim - 1
+    keeps_batch = axes is None or axes[:n_batch] == tuple(range(n_batch))
+    if keeps_batch and tuple(shape[:n_batch]) == x.shape[:n_batch]:
+        events = None if axes is None else tuple(a - n_batch for a in axes[n_batch:])
+        return _remap(x, events, tuple(shape[n_batch:]), False)
+    if not _fits(x.shape):
+        return densify(primitive, [x], params, reason="too large for int32 indices")
+    return _remap(x, axes, tuple(shape), True)
 
 
 @rule(jax.lax.transpose_p)
-def _transpose(x: Sparse, *, permutation: Sequence[int]) -> Sparse | Array:
-    n_batch = x.indices.ndim - 1
-    permutation = tuple(int(p) for p in permutation)
-    if permutation[:n_batch] == tuple(range(n_batch)):
-        return _select_axes(x, tuple(p - n_batch for p in permutation[n_batch:]), False)
-    if not _fits(x.shape):
-        return densify(
-            jax.lax.transpose_p, [x], {"permutation": permutation}, reason="too large"
-        )
-    return _select_axes(x, permutation, True)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _fold_batch(x: Sparse, shape: tuple[int, ...]) -> Sparse:
-    indices, values, _ = _flat(x)
-    return Sparse._build(indices, values, shape)
+def _transpose(x: Sparse, **params: Any) -> Sparse | Array:
+    axes = tuple(int(p) for p in params["permutation"])
+    shape = tuple(x.shape[a] for a in axes)
+    return _relayout(jax.lax.transpose_p, x, params, axes, shape)
 
 
 @rule(jax.lax.reshape_p)
@@ -664,26 +604,18 @@ def _reshape(x: Sparse, **params: Any) -> Sparse | Array:
         return densify(
             jax.lax.reshape_p, [x], params, reason="reshape with `dimensions`"
         )
-    new_sizes = tuple(int(d) for d in params["new_sizes"])
-    batch = x.indices.shape[:-1]
-    if new_sizes[: len(batch)] == batch:
-        # Flat row-major event indices do not change under a reshape of the events.
-        return Sparse._build(x.indices, x.values, new_sizes[len(batch) :])
-    if not _fits(new_sizes):
-        return densify(jax.lax.reshape_p, [x], params, reason="too large")
-    return _fold_batch(x, new_sizes)
+    shape = tuple(int(d) for d in params["new_sizes"])
+    return _relayout(jax.lax.reshape_p, x, params, None, shape)
 
 
 @rule(jax.lax.reduce_sum_p)
 def _reduce_sum(x: Sparse, **params: Any) -> Sparse | Array:
-    axes = {int(a) for a in params["axes"]}
-    n_batch = x.indices.ndim - 1
-    if all(a >= n_batch for a in axes):
-        keep = tuple(a - n_batch for a in range(n_batch, x.ndim) if a not in axes)
-        return _select_axes(x, keep, False)
-    if not _fits(x.shape):
-        return densify(jax.lax.reduce_sum_p, [x], params, reason="too large")
-    return _select_axes(x, tuple(a for a in range(x.ndim) if a not in axes), True)
+    summed = {int(a) % max(x.ndim, 1) for a in params["axes"]}
+    if not summed:
+        return x
+    axes = tuple(a for a in range(x.ndim) if a not in summed)
+    shape = tuple(x.shape[a] for a in axes)
+    return _relayout(jax.lax.reduce_sum_p, x, params, axes, shape)
 
 
 # ----------------------------------------------------------------------------------
@@ -694,17 +626,15 @@ def _reduce_sum(x: Sparse, **params: Any) -> Sparse | Array:
 def _add_into_dense_kernel(s: Sparse, d: Array) -> Array:
     indices, values, shape = _flat(s)
     acc = _accumulation_dtype(d.dtype)
-    out = _scatter_add(d.reshape(-1).astype(acc), indices, values.astype(acc))
+    out = _ix.scatter_add(d.reshape(-1).astype(acc), indices, values.astype(acc))
     return out.astype(d.dtype).reshape(shape)
 
 
-def _add_into_dense(
-    primitive: jexc.Primitive, s: Sparse, d: ArrayLike, sparse_first: bool
-) -> Array:
-    operands = [s, d] if sparse_first else [d, s]
+@rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
+def _add_into_dense(s: Sparse, d: ArrayLike, *, primitive: jexc.Primitive) -> Array:
     d = jnp.asarray(d)
     if d.shape != s.shape or d.dtype != s.dtype or not _fits(s.shape):
-        return densify(primitive, operands, {}, reason="broadcast or mixed operands")
+        return densify(primitive, [s, d], {}, reason="broadcast or mixed operands")
     record_densification(
         primitive.name,
         ("Sparse",),
@@ -712,23 +642,3 @@ def _add_into_dense(
         "into the dense operand",
     )
     return _add_into_dense_kernel(s, d)
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
-    return _add_into_dense(add_any_p, x, y, True)
-
-
-@rule(add_any_p, dense_output=True)
-def _add_any_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
-    return _add_into_dense(add_any_p, y, x, False)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_sparse_dense(x: Sparse, y: ArrayLike) -> Array:
-    return _add_into_dense(jax.lax.add_p, x, y, True)
-
-
-@rule(jax.lax.add_p, dense_output=True)
-def _add_dense_sparse(x: ArrayLike, y: Sparse) -> Array:
-    return _add_into_dense(jax.lax.add_p, y, x, False)

@@ -52,7 +52,7 @@ def tree_allclose(x, y, dtype=None, **kwargs) -> bool:
     if x_def != y_def:
         return False
     try:
-        for a, b in zip(x_leaves, y_leaves):
+        for a, b in zip(x_leaves, y_leaves, strict=True):
             assert_close(a, b, dtype, **kwargs)
     except AssertionError:
         return False

@@ -11,7 +11,13 @@ import numpy as np
 from hypothesis import strategies as st
 
 from tests.helpers import float_dtypes, random_array, seeds
-from tests.helpers.cases import Case, case
+from tests.helpers.cases import (
+    Case,
+    bind_convert,
+    bind_reshape,
+    bind_transpose,
+    case,
+)
 
 
 # A fixed menu of small shapes keeps JAX's compile caches warm across examples (each
@@ -153,7 +159,7 @@ def _convert():
     def draw_case(draw):
         x = draw(blocked_values())
         target = draw(float_dtypes())
-        fn = lambda a: jax.lax.convert_element_type(a, target)  # noqa: E731
+        fn = bind_convert(target)
         # The value is decoded straight into `target`; dense rounds to x.dtype first.
         coarse = max((x.dtype, target), key=lambda d: jnp.finfo(d).eps)
         return Case(fn, (x,), coarse, type(x))
@@ -167,7 +173,7 @@ def _transpose():
     def draw_case(draw):
         x = draw(blocked_values())
         perm = order_keeping_permutation(draw, x.shape, _n_batch(x))
-        return Case(lambda a: jax.lax.transpose(a, perm), (x,), x.dtype, type(x))
+        return Case(bind_transpose(perm), (x,), x.dtype, type(x))
 
     return draw_case()
 
@@ -185,7 +191,6 @@ def _reshape():
         else:
             perm, batch = None, x.shape[:n_batch]
         new_shape = batch + event_reshapes(draw, math.prod(x.event_shape))
-        fn = lambda a: jax.lax.reshape(a, new_shape, perm)  # noqa: E731
-        return Case(fn, (x,), x.dtype, type(x))
+        return Case(bind_reshape(new_shape, perm), (x,), x.dtype, type(x))
 
     return draw_case()

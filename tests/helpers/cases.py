@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -57,3 +58,22 @@ def load_all_cases() -> dict[tuple[str, tuple[str, ...]], Callable[[], Any]]:
     for module in pkgutil.iter_modules(helpers.__path__):
         importlib.import_module(f"tests.helpers.{module.name}")
     return CASES
+
+
+# `jnp`/`lax` wrappers skip the primitive when it would do nothing (a conversion to the
+# same dtype, an identity permutation or reshape); cases bind it, so the rule runs.
+def bind_convert(dtype):
+    return lambda a: jax.lax.convert_element_type_p.bind(
+        a, new_dtype=jnp.dtype(dtype), weak_type=False, sharding=None
+    )
+
+
+def bind_transpose(permutation):
+    return lambda a: jax.lax.transpose_p.bind(a, permutation=tuple(permutation))
+
+
+def bind_reshape(new_sizes, dimensions=None):
+    dimensions = None if dimensions is None else tuple(dimensions)
+    return lambda a: jax.lax.reshape_p.bind(
+        a, new_sizes=tuple(new_sizes), dimensions=dimensions, sharding=None
+    )

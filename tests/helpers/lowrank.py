@@ -7,7 +7,7 @@ from hypothesis import assume, strategies as st
 import quax_tangents as qt
 from quax_tangents._lax import add_any_p
 from tests.helpers import float_dtypes, random_array, seeds
-from tests.helpers.cases import Case, case
+from tests.helpers.cases import Case, bind_convert, bind_reshape, bind_transpose, case
 
 
 @st.composite
@@ -51,7 +51,7 @@ def _convert():
     def draw_case(draw):
         x = draw(lowrank_values())
         target = draw(float_dtypes())
-        fn = lambda a: jax.lax.convert_element_type(a, target)  # noqa: E731
+        fn = bind_convert(target)
         # Rounding the factors is not rounding the product: allow the coarser dtype.
         coarse = max((x.dtype, target), key=lambda d: jnp.finfo(d).eps)
         return Case(fn, (x,), coarse, qt.LowRank, factor=2.0)
@@ -121,7 +121,7 @@ def _transpose():
         batch_perm = tuple(draw(st.permutations(range(nb))))
         matrix_perm = draw(st.sampled_from([(nb, nb + 1), (nb + 1, nb)]))
         perm = batch_perm + matrix_perm
-        return Case(lambda a: jnp.transpose(a, perm), (x,), x.dtype, qt.LowRank)
+        return Case(bind_transpose(perm), (x,), x.dtype, qt.LowRank)
 
     return draw_case()
 
@@ -138,7 +138,7 @@ def _reshape():
         new_lead = draw(st.sampled_from([(size,), (1, size), (size, 1), ()]))
         assume(size == 1 or new_lead != ())
         new_shape = new_lead + x.shape[-2:]
-        return Case(lambda a: jnp.reshape(a, new_shape), (x,), x.dtype, qt.LowRank)
+        return Case(bind_reshape(new_shape), (x,), x.dtype, qt.LowRank)
 
     return draw_case()
 

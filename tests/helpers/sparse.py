@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import quax_tangents as qt
 from quax_tangents._lax import add_any_p
 from tests.helpers import float_dtypes, seeds
-from tests.helpers.cases import Case, case
+from tests.helpers.cases import Case, bind_convert, bind_reshape, bind_transpose, case
 
 
 def random_array(seed, shape, dtype=jnp.float32):
@@ -94,7 +94,7 @@ def _convert():
     def draw_case(draw):
         x = draw(sparse_values())
         target = draw(float_dtypes())
-        fn = lambda a: jax.lax.convert_element_type(a, target)  # noqa: E731
+        fn = bind_convert(target)
         # Duplicates are rounded one by one before they add up: allow the coarser
         # dtype, twice.
         coarse = max((x.dtype, target), key=lambda d: jnp.finfo(d).eps)
@@ -265,7 +265,7 @@ def _transpose():
     def draw_case(draw):
         x = draw(sparse_values())
         perm = tuple(draw(st.permutations(range(x.ndim))))
-        return Case(lambda a: jnp.transpose(a, perm), (x,), x.dtype, qt.Sparse)
+        return Case(bind_transpose(perm), (x,), x.dtype, qt.Sparse)
 
     return draw_case()
 
@@ -292,7 +292,7 @@ def _reshape():
             new_shape = x.shape[:nb] + event
         else:
             new_shape = draw(st.sampled_from(_factorisations(x.size)))
-        return Case(lambda a: jnp.reshape(a, new_shape), (x,), x.dtype, qt.Sparse)
+        return Case(bind_reshape(new_shape), (x,), x.dtype, qt.Sparse)
 
     return draw_case()
 

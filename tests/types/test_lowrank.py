@@ -9,6 +9,7 @@ import quax_tangents as qt
 from quax_tangents._lax import add_any_p
 from tests.helpers import assert_close, random_array, seeds
 from tests.helpers.lowrank import lowrank_values
+from tests.helpers.values import compressed
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,10 +312,60 @@ def test_mixed_with_other_compressed_types_densifies_both():
     assert qt.fallback_counts() == {("add", "LowRank"): 1, ("add", "Sparse"): 1}
 
 
-def test_adding_mismatched_shapes_is_an_error():
+def test_adding_mismatched_dtypes_is_an_error():
     a = qt.LowRank(random_array(0, (3, 1)), random_array(1, (4, 1)))
-    b = qt.LowRank(random_array(0, (3, 1)), random_array(1, (4, 1))).__class__(
+    b = qt.LowRank(
         random_array(2, (3, 1), jnp.bfloat16), random_array(3, (4, 1), jnp.bfloat16)
     )
-    with pytest.raises(TypeError, match="shapes and dtypes must match"):
+    with pytest.raises(TypeError, match="dtypes must match"):
         quax.quaxify(add_any_p.bind)(a, b)
+
+
+@pytest.mark.parametrize(
+    "shapes", [((8, 9), (8, 1)), ((8, 9), (1, 9)), ((2, 8, 9), (2, 1, 9))]
+)
+@pytest.mark.parametrize("op", [jnp.add, jnp.subtract])
+def test_broadcasting_sums_stay_low_rank(op, shapes):
+    """`lax.add` broadcasts size-1 dims; the rule broadcasts the factors (exact).
+    The shapes keep rank 4 within the budget."""
+    primals = tuple(random_array(i, s) for i, s in enumerate(shapes))
+    tangents = tuple(compressed("LowRank", s, 10 + i) for i, s in enumerate(shapes))
+    with qt.fallback("error"):
+        _, out = qt.jvp(op, primals, tangents)
+    expected = jax.jvp(op, primals, qt.materialise(tangents))[1]
+    assert isinstance(out, qt.LowRank)
+    assert_close(out, expected)
+
+
+def test_reduce_sum_over_no_axes_is_the_identity():
+    x = random_array(0, (3, 4, 5))
+    t = compressed("LowRank", (3, 4, 5))
+    with qt.fallback("error"):
+        _, out = qt.jvp(lambda a: jax.lax.reduce_sum(a, ()), (x,), (t,))
+    assert out is not None and out.shape == (3, 4, 5)
+    assert isinstance(out, qt.LowRank)
+    assert_close(out, t.materialise())
+
+
+@pytest.mark.parametrize("shape", [(3, 1), (1, 4)])
+def test_broadcast_in_dim_of_a_unit_dim_keeps_the_factors(shape):
+    x = compressed("LowRank", shape)
+    fn = lambda a: jax.lax.broadcast_in_dim(a, (3, 4), (0, 1))  # noqa: E731
+    with qt.fallback("error"):
+        out = quax.quaxify(fn)(x)
+    assert isinstance(out, qt.LowRank)
+    assert_close(out, fn(x.materialise()))
+
+
+def test_a_vector_result_is_not_counted_and_a_matrix_is():
+    """The densification policy: a dense result with at most one dim other than 1 is
+    not counted; a dense matrix is."""
+    with qt.fallback("silent"):
+        qt.reset_fallback_counts()
+        x = compressed("LowRank", (3, 4))
+        row = quax.quaxify(lambda a: jnp.sum(a, axis=1, keepdims=True))(x)
+        assert row.shape == (3, 1) and qt.fallback_counts() == {}
+        batched = compressed("LowRank", (2, 3, 4))
+        matrix = quax.quaxify(lambda a: jnp.sum(a, axis=1))(batched)
+        assert matrix.shape == (2, 4)
+        assert qt.fallback_counts() == {("reduce_sum", "LowRank"): 1}

@@ -1,0 +1,28 @@
+"""Building rule outputs without value checks.
+
+A rule's output is consistent by construction, and a public constructor's value
+checks (finiteness) would both reject legitimate dense semantics such as `x * inf`
+and force a device-to-host sync on every eager rule. Rules build their outputs with
+`unchecked`, exactly as unflattening under `jit`/`vmap` does; public constructors keep
+validating user input.
+"""
+
+import dataclasses
+from typing import Any, TypeVar, cast
+
+
+_T = TypeVar("_T")
+
+
+def unchecked(cls: type[_T], **fields: Any) -> _T:
+    """A module of `cls` from all of its fields, without running `__init__` or
+    `__check_init__` (equinox runs `__check_init__` only from `__init__`)."""
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
+    if set(fields) != names:
+        raise TypeError(
+            f"{cls.__name__} needs fields {sorted(names)}, got {sorted(fields)}."
+        )
+    obj = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(obj, name, value)
+    return obj
