@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import quax_tangents as qt
 from quax_tangents._lax import add_any_p
 from tests.helpers import float_dtypes, random_array, seeds
-from tests.helpers.cases import Case, case
+from tests.helpers.cases import Case, bind_convert, case
 
 
 def random_rows(seed, num_rows, row_size, k, dtype=jnp.float32):
@@ -50,7 +50,7 @@ def _convert():
     def draw_case(draw):
         x = draw(rows_values())
         target = draw(float_dtypes())
-        fn = lambda a: jax.lax.convert_element_type(a, target)  # noqa: E731
+        fn = bind_convert(target)
         # Duplicate rows are rounded one by one before they add up.
         coarse = max((x.dtype, target), key=lambda d: jnp.finfo(d).eps)
         return Case(fn, (x,), coarse, qt.SparseRows, factor=2.0)
