@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
 import numpy as np

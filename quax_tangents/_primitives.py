@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
 import jax.tree_util as jtu

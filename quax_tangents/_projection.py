@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
 from jax.interpreters import ad, mlir
@@ -151,7 +152,7 @@ def _projected(
     operands: tuple,
     apply: Callable,
     apply_t: Callable,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     dtype: Any,
 ) -> LowRank:
     """`LowRank(P, G^T P)` for `m <= n`, `LowRank(G Q, Q)` for `m > n`, from the

@@ -7,6 +7,7 @@ run on concrete arrays: under `jit` the values are not known at trace time.
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 

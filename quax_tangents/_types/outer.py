@@ -12,6 +12,7 @@ Every rule this representation registers lives in this file.
 """
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
@@ -53,7 +54,7 @@ def _plus_dense(x: OuterSum, y: ArrayLike) -> Array:
     if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
         return densify(add_any_p, [x, y], {}, reason="shapes or dtypes differ")
     record_densification(add_any_p.name, ("OuterSum",), "a sum with a dense array")
-    return y + x.materialise()
+    return jnp.asarray(y) + x.materialise()
 
 
 @rule(add_any_p, dense_output=True)

@@ -61,8 +61,8 @@ class Quantized(BlockedArray):
     Create one with [`quax_tangents.quantize`][].
     """
 
-    _payload_field: ClassVar[str] = "codes"
-    _stat_field: ClassVar[str] = "scales"
+    _payload_field: ClassVar[str] = "codes"  # pyright: ignore[reportIncompatibleVariableOverride]
+    _stat_field: ClassVar[str] = "scales"  # pyright: ignore[reportIncompatibleVariableOverride]
 
     codes: Array
     scales: Array

@@ -50,8 +50,8 @@ class SignNorm(BlockedArray):
     Create one with [`quax_tangents.sign_norm`][].
     """
 
-    _payload_field: ClassVar[str] = "bits"
-    _stat_field: ClassVar[str] = "norms"
+    _payload_field: ClassVar[str] = "bits"  # pyright: ignore[reportIncompatibleVariableOverride]
+    _stat_field: ClassVar[str] = "norms"  # pyright: ignore[reportIncompatibleVariableOverride]
 
     bits: Array
     norms: Array
