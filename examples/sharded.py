@@ -367,7 +367,7 @@ def report(results, config, seeds, command, elapsed) -> list[str]:
         "Adam); the error-feedback column is the part that is the carried error: "
         "each device's own error for its whole gradient (error feedback corrects "
         "what *this* device's compression dropped, so it cannot be split), stored "
-        "as float32 or as int8 codes with a float32 scale per 256. Wall time: "
+        "as float32 or as int8 codes with a float32 scale per block of at most 256. Wall time: "
         "training loop after compilation, seed 0; host devices share two cores.",
         "",
         *table(results),

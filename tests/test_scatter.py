@@ -48,7 +48,16 @@ needs_devices = pytest.mark.skipif(
 @pytest.mark.skipif(enough_devices(), reason="this process has the devices")
 def test_scatter_tests_in_a_fresh_process():
     result = run_python(
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not fresh", __file__],
+        [
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not fresh and not example",
+            __file__,
+        ],
         cwd=ROOT,
     )
     assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
@@ -409,3 +418,34 @@ def test_partition_specs_shard_the_states_that_mirror_sharded_params():
     assert compress_specs.server_error["w"] == P(AXIS)
     assert adam_specs.mu == param_specs and adam_specs.nu == param_specs
     assert adam_specs.count == P()
+
+
+# ---------------------------------------------------------------------------------
+# The example
+
+
+def test_sharded_example_quick(tmp_path):
+    pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
+    out = tmp_path / "sharded.md"
+    run_python(
+        [
+            str(ROOT / "examples" / "sharded.py"),
+            "--quick",
+            "--methods",
+            "int8-ef",
+            "--out",
+            str(out),
+        ]
+    )
+    text = out.read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in text.splitlines()
+        if line.startswith("| ") and "%" in line
+    }
+    assert {"dense", "int8-ef"} <= set(rows), text
+    assert "examples/sharded.py --quick --methods int8-ef" in text
+    # Bytes come from the compiled program, so they hold even in a quick run.
+    fewer = float(rows["int8-ef"].split("|")[8].strip().rstrip("x"))
+    assert fewer >= 3.5, rows["int8-ef"]

@@ -31,7 +31,7 @@ from ._common import (
     mean_over_devices,
     per_device_zeros,
 )
-from ._error import ErrorDtype, check_error_dtype, load_error, store_error, zero_error
+from ._errors import ErrorDtype, check_error_dtype, load_error, store_error, zero_error
 
 
 ErrorFeedback = Literal["ef", "ef21"] | None
@@ -111,8 +111,9 @@ def compress(
         number of devices.
 
     `error_dtype="int8"` stores the `"ef"` error as int8 codes with one float32 scale
-    per 256 elements (nearest rounding), 0.254x the bytes of a float32 error. What
-    that rounding drops (at most half a block's scale per element) is not fed back.
+    per block of at most 256 elements (nearest rounding), about 0.26x the bytes of a
+    float32 error. What that rounding drops (at most `max|block| / 254` per element)
+    is not fed back.
 
     Call `init` inside the `shard_map` body too (with `sharded`, on the shards), and
     see [`quax_tangents.optax.partition_specs`][].
@@ -202,19 +203,21 @@ def compress(
         if shard:
             out = compressed_reduce_scatter(v, compressor, axis_name, mean=True)
             return out.shard, out.sent, None
-        c = compressor(v)
-        codec = _chunk_codec(c) if two_phase else None
+        codec = None
+        if two_phase:
+            struct = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            codec = _chunk_codec(jax.eval_shape(compressor, struct))
         if codec is None:
-            decoded = c.materialise()
-            return _dense(emitted(c), v), decoded, server_error
+            c = compressor(v)
+            return _dense(emitted(c), v), c.materialise(), server_error
         out = two_phase_sum(v, codec, axis_name, mean=True, server_error=server_error)
         return out.total, out.sent, out.server_error
 
     def update_leaf(g, shard, error, estimate, aggregate, server_error):
         if error_feedback == "ef":
-            v = g + load_error(error, g)
+            v = g + load_error(error)
             u, sent, server_error = combine(v, shard, server_error)
-            error = store_error(v - sent, error_dtype, g)
+            error = store_error(v - sent, g.dtype, error_dtype)
             return u, (error, None, None, server_error)
         if error_feedback == "ef21":
             c = compressor(g - estimate)
@@ -315,7 +318,7 @@ def _whole(shard: Any, devices: int) -> jax.ShapeDtypeStruct:
 
 
 def _zero_error(leaf: Any, error_dtype: ErrorDtype, axis: AxisName) -> Any:
-    return zero_error(jnp.shape(leaf), leaf.dtype, error_dtype, axis)
+    return zero_error(leaf, axis, error_dtype)
 
 
 def _chunk_codec(c: CompressedArray) -> ChunkCompressor | None:
