@@ -48,25 +48,31 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Runs every `benchmarks/*.py` script; each writes `benchmarks/results/<name>.md`.
+    """Runs the benchmark scripts, `benchmarks/bench_*.py`.
 
-    Arguments name the scripts to run (default: all); arguments starting with `-` go
-    to every script, e.g. `nox -s bench -- jvp --quick`. The session fails if a script
-    did not write its results file. Files starting with `_` are helpers, not scripts.
+    Each writes `benchmarks/results/<name>.md`, or with `--quick`
+    `benchmarks/results/quick/<name>.md`, which git ignores.
+
+    Arguments name the scripts to run (default: all); from the first argument that
+    starts with `-` on, the arguments go to every script, e.g.
+    `nox -s bench -- bench_jvp --quick --out /tmp/jvp.md`. The session fails if a
+    script did not write its results file. Files starting with `_` are helpers.
     """
     session.install(".[optax,examples]")
-    names = {pathlib.Path(a).stem for a in session.posargs if not a.startswith("-")}
-    flags = [a for a in session.posargs if a.startswith("-")]
-    scripts = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+    args = session.posargs
+    first_flag = next((i for i, a in enumerate(args) if a.startswith("-")), len(args))
+    names = {pathlib.Path(a).stem for a in args[:first_flag]}
+    flags = args[first_flag:]
+    scripts = sorted(BENCHMARKS.glob("bench_*.py"))
     unknown = names - {p.stem for p in scripts}
     if unknown:
         session.error(f"No such benchmark: {', '.join(sorted(unknown))}")
     scripts = [p for p in scripts if not names or p.stem in names]
     if not scripts:
         session.error("No benchmark scripts in benchmarks/.")
-    RESULTS.mkdir(exist_ok=True)
+    results = RESULTS / "quick" if "--quick" in flags else RESULTS
     for script in scripts:
-        result = RESULTS / f"{script.stem}.md"
+        result = results / f"{script.stem}.md"
         before = result.stat().st_mtime_ns if result.exists() else None
         session.run("python", str(script.relative_to(ROOT)), *flags)
         written = result.exists() and result.stat().st_mtime_ns != before

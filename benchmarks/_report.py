@@ -1,9 +1,45 @@
-"""What every benchmark's results file records about the machine it ran on."""
+"""What every benchmark's results file records: where it goes, the command that
+produced it, and the machine it ran on.
+
+Benchmark scripts are named `bench_<what>.py`, so that none can shadow a module of
+the standard library or of an installed package when its folder is on `sys.path`
+(as it is when the script runs); helpers like this one start with `_`.
+"""
 
 import importlib.metadata
 import os
 import pathlib
 import platform
+import shlex
+import sys
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+# Quick runs write here, which git ignores, so a smoke run never replaces the
+# committed results of a full run.
+QUICK_RESULTS = RESULTS / "quick"
+
+
+def default_out(script: str, quick: bool) -> pathlib.Path:
+    """`results/<script's stem>.md`, or `results/quick/<stem>.md` for a quick run."""
+    folder = QUICK_RESULTS if quick else RESULTS
+    return folder / f"{pathlib.Path(script).stem}.md"
+
+
+def command() -> str:
+    """The command line of this run, with the script's path relative to the
+    repository root when it is inside it (the results files quote it as run from
+    the root)."""
+    script = pathlib.Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        script = script.relative_to(ROOT)
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def produced_by(title: str) -> list[str]:
+    """A results file's title and the command that produced it."""
+    return [f"# {title}", "", "Produced by:", "", "```", command(), "```", ""]
 
 
 def cpu_model() -> str:
@@ -37,3 +73,20 @@ def load_line(load_at_start: tuple[float, ...]) -> str:
         + " / "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())
     )
+
+
+def environment(
+    packages: tuple[str, ...],
+    backend: str,
+    load_at_start: tuple[float, ...] | None = None,
+) -> list[str]:
+    """The versions, backend and machine lines, and the load line when
+    `load_at_start` is given (for a run whose timings it qualifies)."""
+    lines = [
+        "- versions: " + versions(*packages),
+        f"- backend: {backend}",
+        machine_line(),
+    ]
+    if load_at_start is not None:
+        lines.append(load_line(load_at_start))
+    return lines

@@ -19,7 +19,8 @@ each followed by Adam. Biases (1-D) are always averaged densely. For each method
 reports the test accuracy, the bytes that one training step's collectives move (read
 from the compiled program) and the wall time, as a Markdown table and a PNG plot of
 accuracy against bytes (`--out`, default `examples/results/data_parallel.md`, and the
-`.png` next to it).
+`.png` next to it; with `--quick`, `examples/results/quick/data_parallel.md`, which
+git ignores, so a smoke run never replaces a full run's results).
 """
 
 # JAX reads XLA_FLAGS when it first starts its CPU backend, so the device count is
@@ -58,6 +59,7 @@ import quax_tangents.optax as qto
 AXIS = "data"
 DEVICES = 8
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "data_parallel.md"
+QUICK_OUT = DEFAULT_OUT.parent / "quick" / DEFAULT_OUT.name
 
 
 # ---------------------------------------------------------------------------------
@@ -338,8 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=DEFAULT_OUT,
-        help="Markdown table to write; the plot goes next to it as .png",
+        help="Markdown table to write; the plot goes next to it as .png (default: "
+        f"{DEFAULT_OUT}, or {QUICK_OUT} with --quick)",
     )
     parser.add_argument(
         "--methods",
@@ -347,7 +349,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of the methods to run (default: all)",
     )
     parser.add_argument("--no-progress", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
+    return args
 
 
 def config_from(args: argparse.Namespace) -> Config:

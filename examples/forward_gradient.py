@@ -14,7 +14,9 @@ Three ways to train the same MLP (64 -> 64 -> 10, tanh) with minibatch SGD:
 A forward gradient is unbiased but noisy: its expected squared error is about `d`
 times the squared gradient norm, for `d` parameters (here d = 4,810). So the forward
 methods take a much smaller step and many more of them. The script writes a PNG of
-test accuracy against step and a Markdown table of the results to `--out`.
+test accuracy against step and a Markdown table of the results to the folder `--out`
+(default `examples/results/`; with `--quick`, `examples/results/quick/`, which git
+ignores, so a smoke run never replaces the full run's results).
 
 Run it with
 
@@ -50,6 +52,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
+QUICK_OUT = DEFAULT_OUT / "quick"
 SIZES = (64, 64, 10)
 BATCH = 128
 
@@ -344,8 +347,13 @@ def main(out: pathlib.Path, quick: bool = False, seed: int = 0) -> list[History]
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help=f"output folder (default: {DEFAULT_OUT}, or {QUICK_OUT} with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="a few steps only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    main(args.out, quick=args.quick, seed=args.seed)
+    out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
+    main(out, quick=args.quick, seed=args.seed)

@@ -14,8 +14,8 @@ Three loops fit the same student network to a teacher:
 The model also carries a step counter, which is data: it stays dynamic under `jit`,
 so the jitted step compiles once.
 
-Run: `python examples/training_loop.py` (`--steps 20` for a quick run). Needs the
-`optax` extra.
+Run: `python examples/training_loop.py` (`--steps 20` for a quick run). Needs optax,
+which the `examples` extra installs.
 """
 
 import argparse

@@ -1,30 +1,62 @@
-"""The benchmarks run end to end in their quick mode."""
+"""The benchmarks run end to end in their quick mode, their scripts cannot shadow an
+importable module, and a quick run leaves the committed results alone."""
 
+import ast
+import importlib.metadata
 import pathlib
 import re
-import subprocess
 import sys
 
+from tests.helpers.scripts import run_script
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
 
 
 def _run_quick(script: str, out: pathlib.Path) -> str:
-    # A subprocess, as `nox -s bench` runs it: the benchmark sets the fallback mode
-    # and resets the global fallback counters, which must not leak into other tests.
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(BENCHMARKS / script, "--quick", "--out", str(out))
     return out.read_text()
 
 
-def test_jvp_benchmark_quick(tmp_path):
-    text = _run_quick("jvp.py", tmp_path / "jvp.md")
-    assert "jvp.py --quick --out" in text
+def test_script_names_cannot_shadow_a_module():
+    # Running `python benchmarks/x.py` (or `examples/x.py`) puts that folder first on
+    # `sys.path`, so a file named like a module shadows it for every import, JAX's
+    # included. Checked by name, with `bench_` as the convention that keeps
+    # benchmarks clear of modules added to the standard library later (as
+    # `compression` was, in Python 3.14).
+    installed = set(importlib.metadata.packages_distributions())
+    stems = {p.stem for p in BENCHMARKS.glob("*.py")}
+    stems |= {p.stem for p in (ROOT / "examples").glob("*.py")}
+    clashes = stems & (set(sys.stdlib_module_names) | installed)
+    assert not clashes, clashes
+    for script in BENCHMARKS.glob("*.py"):
+        assert script.name.startswith(("bench_", "_")), script.name
+        # With nothing to shadow, no script needs to edit `sys.path` either.
+        uses = [
+            node.lineno
+            for node in ast.walk(ast.parse(script.read_text()))
+            if isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ]
+        assert not uses, f"{script.name} uses sys.path on lines {uses}"
+
+
+def test_jvp_benchmark_quick_leaves_committed_results_alone():
+    # As a user or `nox -s bench -- bench_jvp --quick` runs it: no `--out`.
+    committed = RESULTS / "bench_jvp.md"
+    before = committed.read_bytes()
+    quick = RESULTS / "quick" / "bench_jvp.md"
+    quick.unlink(missing_ok=True)
+    result = run_script(BENCHMARKS / "bench_jvp.py", "--quick")
+    assert committed.read_bytes() == before
+    assert f"wrote {quick}" in result.stdout
+    text = quick.read_text()
+
+    assert "python benchmarks/bench_jvp.py --quick\n" in text
     for name in ("dense", "lowrank-r1", "lowrank-r4", "lowrank-r16", "hand-r16"):
         assert f"| {name} |" in text
     # Deterministic facts of the compiled programs (timings are not checked: the
@@ -37,10 +69,43 @@ def test_jvp_benchmark_quick(tmp_path):
     assert "DIFFERENT matmuls" not in text
 
 
+def _verdict_rows(text: str) -> list[tuple[float, float, str]]:
+    """(value, limit, verdict) of each row of the JVP benchmark's targets table."""
+    return [
+        (float(value), float(limit), verdict)
+        for value, limit, verdict in re.findall(
+            r"^\| [^|]+ \| \d+, r=\d+ \| ([0-9.]+) \| <= ([0-9.]+) \| (met|MISSED) \|$",
+            text,
+            re.M,
+        )
+    ]
+
+
+def test_committed_jvp_verdicts_follow_their_values():
+    rows = _verdict_rows((RESULTS / "bench_jvp.md").read_text())
+    assert len(rows) == 16
+    for value, limit, verdict in rows:
+        assert verdict == ("met" if value <= limit else "MISSED"), (value, limit)
+
+
 def test_collective_benchmark_quick(tmp_path):
-    text = _run_quick("collective.py", tmp_path / "collective.md")
-    assert "collective.py --quick --out" in text and "| powersgd-r4 |" in text
+    text = _run_quick("bench_collective.py", tmp_path / "collective.md")
+    assert "bench_collective.py --quick --out" in text and "| powersgd-r4 |" in text
     assert (
         "| bytes per matrix per round = r (m + n) itemsize | every all-reduce operand "
         "as predicted (tables below) | met |"
     ) in text
+    assert (tmp_path / "collective.png").stat().st_size > 0
+
+
+def test_compression_benchmark_quick(tmp_path):
+    # The script exits non-zero when a storage target is missed or a documented
+    # error bound does not hold, which `run_script` turns into a failure.
+    text = _run_quick("bench_compression.py", tmp_path / "compression.md")
+    assert "bench_compression.py --quick --out" in text
+    # Storage is a function of shapes alone: every target row, and every bound.
+    targets = re.findall(
+        r"^\| [^|]+ \| [^|]+ \| >= [0-9.]+x \| [0-9.]+x \| (\S+) \|$", text, re.M
+    )
+    assert targets == ["met"] * 4, targets
+    assert "| holds:" in text and "VIOLATED" not in text

@@ -1,14 +1,21 @@
-"""The examples run end to end and print what their documentation promises."""
+"""The examples run end to end and print what their documentation promises, and the
+`examples` extra installs everything they import."""
 
+import ast
+import importlib.metadata
 import pathlib
 import re
 import runpy
 import sys
+import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
 
@@ -44,3 +51,39 @@ def test_quickstart(monkeypatch, capsys):
     errors = re.findall(r"rel\. error vs jax\.jvp ([0-9.e+-]+)", out)
     assert len(errors) == 2 and all(float(e) < 1e-5 for e in errors), out
     assert "gradient of w1 is LowRank (rank 4), 3072 bytes instead of 32768" in out
+
+
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """The first component of every module a file imports at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("folder", ["examples", "benchmarks"])
+def test_examples_extra_provides_every_import(folder):
+    # The README installs `.[examples]` and runs the examples; the benchmarks need the
+    # same extra (docs/getting-started.md). Every third-party import must come from a
+    # distribution that the core dependencies or that extra name directly.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = (
+        project["dependencies"] + project["optional-dependencies"]["examples"]
+    )
+    provided = {canonicalize_name(Requirement(r).name) for r in requirements}
+    provided.add(canonicalize_name(project["name"]))
+    distributions = importlib.metadata.packages_distributions()
+    scripts = sorted((ROOT / folder).glob("*.py"))
+    local = {path.stem for path in scripts}
+    missing = {}
+    for path in scripts:
+        for module in _top_level_imports(path) - local - set(sys.stdlib_module_names):
+            # The project itself may be installed editable, which the mapping misses.
+            names = {canonicalize_name(d) for d in distributions.get(module, [])}
+            names.add(canonicalize_name(module))
+            if not names & provided:
+                missing[f"{path.name}: {module}"] = sorted(names) or "not installed"
+    assert not missing, missing

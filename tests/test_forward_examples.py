@@ -1,22 +1,26 @@
 """The forward-gradient example and the memory benchmark run end to end in their
-quick modes."""
+quick modes, and the memory benchmark's verdicts follow from its compiled figures."""
 
 import pathlib
 import re
 import runpy
-import subprocess
-import sys
 
 import pytest
 
+from tests.helpers.scripts import run_script
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE_RESULTS = ROOT / "examples" / "results"
+
+
+def _needs_examples_extra():
+    for module in ("sklearn", "matplotlib", "tqdm"):
+        pytest.importorskip(module, reason="the examples need the `examples` extra")
 
 
 def test_forward_gradient_example_quick(tmp_path):
-    pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
-    pytest.importorskip("matplotlib", reason="the examples need the `examples` extra")
-    pytest.importorskip("tqdm", reason="the examples need the `examples` extra")
+    _needs_examples_extra()
     example = runpy.run_path(str(ROOT / "examples" / "forward_gradient.py"))
     histories = example["main"](tmp_path, quick=True)
 
@@ -35,24 +39,74 @@ def test_forward_gradient_example_quick(tmp_path):
     assert by_name["backprop"].test_accuracy[-1] > 0.3
 
 
+def test_forward_gradient_quick_run_leaves_committed_results_alone():
+    # The way a user runs it, with no `--out`: the smoke run must not replace the
+    # committed results of the full run.
+    _needs_examples_extra()
+    committed = [EXAMPLE_RESULTS / f"forward_gradient.{ext}" for ext in ("md", "png")]
+    before = [path.read_bytes() for path in committed]
+    quick = EXAMPLE_RESULTS / "quick" / "forward_gradient.md"
+    quick.unlink(missing_ok=True)
+    run_script(ROOT / "examples" / "forward_gradient.py", "--quick")
+    assert [path.read_bytes() for path in committed] == before
+    assert "python examples/forward_gradient.py --quick\n" in quick.read_text()
+
+
+# ---------------------------------------------------------------------------------
+# The memory benchmark's report
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _rows_after(text: str, heading: str) -> list[list[str]]:
+    """The body rows of the first table after `heading`."""
+    lines = text[text.index(heading) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(_cells(line))
+    return rows
+
+
+def check_memory_report(text: str) -> None:
+    """What must hold in any run of the memory benchmark, whatever its sizes: each
+    verdict is the target applied to the temp bytes in the tables, and a rank-1
+    direction holds less temp than a dense one (the dense direction is weight-sized).
+    Bytes come from the compiled programs, so nothing here depends on timing."""
+    target = float(re.search(r"temp bytes at most (\d+)% of backprop's", text)[1])
+    verdicts = _rows_after(text, "## Verdict")
+    assert len(verdicts) == 4, verdicts
+    for model, donated, _, _, ratio, verdict in verdicts:
+        table = {
+            (row[0], row[1]): row
+            for row in _rows_after(text, f"## {model.capitalize()} MLP")
+        }
+        low_rank, dense = (
+            table["forward, low-rank", donated],
+            table["forward, dense", donated],
+        )
+        # Column 3 is "temp ÷ backprop's", printed to three decimals like the ratio.
+        assert ratio == low_rank[3], (model, donated)
+        assert verdict == ("met" if float(ratio) <= target / 100 else "missed")
+        assert float(low_rank[3]) < float(dense[3]), (model, donated)
+
+
+def test_committed_memory_verdicts_follow_from_its_tables():
+    check_memory_report(
+        (ROOT / "benchmarks" / "results" / "bench_memory.md").read_text()
+    )
+
+
 def test_memory_benchmark_quick(tmp_path):
-    # A subprocess, as `nox -s bench` runs it: the benchmark resets the global
-    # fallback counters, which must not leak into other tests.
     out = tmp_path / "memory.md"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--quick"]
-        + ["--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_script(ROOT / "benchmarks" / "bench_memory.py", "--quick", "--out", str(out))
     text = out.read_text()
-    assert "memory.py --quick --out" in text
-    verdicts = re.findall(
-        r"^\| (unrolled|scanned) \| (no|yes) \|.*\| (met|missed) \|$", text, re.M
-    )
-    assert len(verdicts) == 4, text
+    assert "bench_memory.py --quick --out" in text
+    check_memory_report(text)
     for step in ("loss only", "backprop", "forward, dense", "forward, low-rank"):
         assert f"| {step} | no |" in text
     # Only the activation-sized tangents densify in the low-rank step: never a

@@ -3,10 +3,11 @@ training, against the targets of the collective work.
 
 Run it with
 
-    python benchmarks/collective.py
+    python benchmarks/bench_collective.py
 
-(about ten minutes on two CPU cores; `--quick` for a smoke run). It writes
-`benchmarks/results/collective.md` and `collective.png`. It trains the MLP of
+(about ten minutes on two CPU cores; `--quick` for a smoke run, whose results go to
+`benchmarks/results/quick/`, which git ignores). It writes
+`benchmarks/results/bench_collective.md` and `bench_collective.png`. It trains the MLP of
 `examples/data_parallel.py` on 8 host CPU devices with every method of that example,
 then checks:
 
@@ -37,22 +38,7 @@ shared machine are not, and are reported only as measured.
 # ruff: noqa: E402
 
 import os
-import pathlib
-import sys
 
-# Before the sys.path fix below: it lives in this folder.
-from _report import load_line, machine_line, versions
-
-
-# Run as a script, this directory comes first on `sys.path`, and its `compression.py`
-# would shadow the standard library's `compression` package, which JAX imports: drop
-# the directory.
-if (
-    sys.path
-    and pathlib.Path(sys.path[0] or ".").resolve()
-    == pathlib.Path(__file__).resolve().parent
-):
-    del sys.path[0]
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -62,23 +48,19 @@ import argparse
 import collections
 import dataclasses
 import functools as ft
-import importlib.metadata
 import importlib.util
-import shlex
+import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _report import ROOT, default_out, environment, produced_by
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _load_example():
@@ -317,15 +299,6 @@ def sweep(names, sizes) -> list[str]:
 # Report
 
 
-def environment(load_at_start: tuple[float, ...]) -> list[str]:
-    return [
-        "- versions: " + versions("jax", "jaxlib", "quax", "optax", "quax-tangents"),
-        f"- backend: {jax.default_backend()}, {len(jax.devices())} host devices",
-        machine_line(),
-        load_line(load_at_start),
-    ]
-
-
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -450,20 +423,18 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
 
     example.plot(results, out.with_suffix(".png"), "digits MLP, 8 host devices")
     elapsed = time.perf_counter() - started
-    argv = ["python", "benchmarks/collective.py"] + sys.argv[1:]
     sizes = " -> ".join(map(str, config.sizes))
     seeds_text = ", ".join(map(str, setup.accuracy_seeds))
     lines = [
-        "# Compressed gradient all-reduce: bytes and accuracy of data-parallel "
-        "training",
-        "",
-        "Produced by:",
-        "",
-        "```",
-        shlex.join(argv),
-        "```",
-        "",
-        *environment(load_at_start),
+        *produced_by(
+            "Compressed gradient all-reduce: bytes and accuracy of data-parallel "
+            "training"
+        ),
+        *environment(
+            ("jax", "jaxlib", "quax", "optax", "quax-tangents"),
+            f"{jax.default_backend()}, {len(jax.devices())} host devices",
+            load_at_start,
+        ),
         f"- {'quick (smoke) run' if quick else 'full run'}: MLP {sizes} (ReLU) on "
         f"digits (1437 train / 360 test), {example.DEVICES} host CPU devices, "
         f"{config.batch_per_device} examples per device per step, {config.steps} "
@@ -570,8 +541,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=RESULTS / "collective.md",
-        help="Markdown report; the plot goes next to it as .png",
+        help="Markdown report; the plot goes next to it as .png (default: "
+        f"{default_out(__file__, False)}, or {default_out(__file__, True)} with "
+        "--quick)",
     )
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
@@ -579,8 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    run(args.quick, args.out, progress=not args.no_progress)
+    out = args.out or default_out(__file__, args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run(args.quick, out, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

@@ -14,34 +14,16 @@ plus `loss only` (the forward pass, no gradient) as a floor. Figures are
 parameters donated to the step and without. Two forms of the same MLP: `unrolled` (a
 Python loop over layers) and `scanned` (`lax.scan` over the stacked hidden layers).
 
-    python benchmarks/memory.py            # 8 layers, width 1024, batch 256
-    python benchmarks/memory.py --quick    # 3 layers, width 64, batch 16 (smoke run)
+    python benchmarks/bench_memory.py          # 8 layers, width 1024, batch 256
+    python benchmarks/bench_memory.py --quick  # 3 layers, width 64, batch 16 (smoke run)
 
-The results go to benchmarks/results/memory.md, or to `--out`.
+The results go to benchmarks/results/bench_memory.md (a quick run's to
+benchmarks/results/quick/, which git ignores), or to `--out`.
 """
-
-# ruff: noqa: E402 (the imports below must follow the sys.path fix)
-
-import pathlib
-import sys
-
-# Before the sys.path fix below: it lives in this folder.
-from _report import machine_line, versions
-
-
-# Run as a script, this folder comes first on `sys.path`, and a sibling benchmark
-# named like a module JAX imports shadows it: `compression.py` hides the standard
-# library's `compression` package, which `import jax` tries. Drop the folder.
-if (
-    sys.path
-    and pathlib.Path(sys.path[0] or ".").resolve()
-    == pathlib.Path(__file__).resolve().parent
-):
-    del sys.path[0]
 
 import argparse
 import dataclasses
-import shlex
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,11 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _report import default_out, environment, produced_by
 
 import quax_tangents as qt
 
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "memory.md"
 CLASSES = 10
 LEARNING_RATE = 0.01
 RANK = 1
@@ -398,26 +380,14 @@ def explanation(results: list[Measured], config: Config) -> list[str]:
     ]
 
 
-def environment() -> list[str]:
-    return [
-        "- versions: " + versions("jax", "jaxlib", "quax", "quax-tangents"),
-        f"- backend: {jax.default_backend()} ({jax.devices()[0].device_kind})",
-        machine_line(),
-    ]
-
-
 def report(config: Config, results: list[Measured], elapsed: float) -> str:
     mode = "quick (smoke) run" if config is QUICK else "full run"
     lines = [
-        "# Memory of one training step: backprop vs. forward gradients",
-        "",
-        "Produced by:",
-        "",
-        "```",
-        "python " + shlex.join(sys.argv),
-        "```",
-        "",
-        *environment(),
+        *produced_by("Memory of one training step: backprop vs. forward gradients"),
+        *environment(
+            ("jax", "jaxlib", "quax", "quax-tangents"),
+            f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+        ),
         f"- {mode}: {config.layers}-layer tanh MLP, width {config.width}, batch "
         f"{config.batch}, {CLASSES} classes, float32; forward gradients with one "
         f"direction, low-rank rank {RANK}; total wall time {elapsed:.0f} s.",
@@ -460,19 +430,26 @@ def report(config: Config, results: list[Measured], elapsed: float) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help="where to write the markdown results (default: "
+        f"{default_out(__file__, False)}, or {default_out(__file__, True)} with "
+        "--quick)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = QUICK if args.quick else FULL
+    out = args.out or default_out(__file__, args.quick)
     start = time.perf_counter()
     results = run(config)
     text = report(config, results, time.perf_counter() - start)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 Run it with
 
-    python benchmarks/compression.py
+    python benchmarks/bench_compression.py
 
-(a few minutes on two CPU cores; `--quick` for a smoke run in seconds). It writes
-`benchmarks/results/compression.md`. For each compressor at several
+(a few minutes on two CPU cores; `--quick` for a smoke run in seconds, whose results
+go to `benchmarks/results/quick/`, which git ignores). It writes
+`benchmarks/results/bench_compression.md`. For each compressor at several
 settings it reports the bytes ratio (`dense_nbytes / nbytes`), the relative Frobenius
 error, and the compress and materialise times as ratios to a jitted dense copy
 (`jnp.copy`) of the same array, measured side by side in this process: absolute times
@@ -14,48 +15,26 @@ the storage targets on a 2048x2048 float32 matrix and the error bounds that the
 compressors' docstrings state.
 """
 
-# The imports below must follow the `sys.path` fix.
-# ruff: noqa: E402
-
-import pathlib
-import sys
-
-# Before the sys.path fix below: it lives in this folder.
-from _report import cpu_model
-
-
-# This file shares its name with the standard library's `compression` package (Python
-# 3.14), which JAX tries to import. Run as a script, this directory comes first on
-# `sys.path`, so `import jax` would import this file instead: drop the directory.
-if (
-    sys.path
-    and pathlib.Path(sys.path[0] or ".").resolve()
-    == pathlib.Path(__file__).resolve().parent
-):
-    del sys.path[0]
-
 import argparse
 import contextlib
 import datetime
 import functools
-import importlib.metadata
 import math
 import os
+import pathlib
 import platform
-import shlex
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import threadpoolctl
+from _report import command, cpu_model, default_out, versions
 from sklearn.datasets import load_digits
 
 import quax_tangents as qt
 
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "compression.md"
 
 # (type, settings, compressor). The same settings on both matrices.
 COMPRESSORS = [
@@ -410,15 +389,9 @@ def _machine() -> dict:
         nproc=len(os.sched_getaffinity(0)),
         cpu=cpu_model(),
         platform=platform.platform(),
-        python=platform.python_version(),
         blas="; ".join(blas) or "none loaded",
         backend=jax.default_backend(),
     )
-
-
-def _versions() -> str:
-    names = ("jax", "jaxlib", "quax", "equinox", "quax-tangents")
-    return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names)
 
 
 def _table(rows: list[dict]) -> list[str]:
@@ -441,14 +414,15 @@ def _table(rows: list[dict]) -> list[str]:
 def report(args, sections, targets, block_ratio, lapack, started, elapsed, load):
     """The results file, in Markdown."""
     machine = _machine()
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     lines = [
         "# Compression benchmark",
         "",
-        f"Produced by `{command}` (from the repository root) on {started} in "
+        f"Produced by `{command()}` (from the repository root) on {started} in "
         f"{elapsed:.0f} s.",
         "",
-        f"- Versions: {_versions()}, Python {machine['python']}.",
+        "- Versions: "
+        + versions("jax", "jaxlib", "quax", "equinox", "quax-tangents")
+        + ".",
         f"- Machine: `nproc` = {machine['nproc']}, CPU: {machine['cpu']}, "
         f"{machine['platform']}, JAX backend: {machine['backend']}.",
         f"- BLAS/LAPACK: {machine['blas']}. `OPENBLAS_NUM_THREADS` = "
@@ -548,10 +522,12 @@ def main() -> int:
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=DEFAULT_OUTPUT,
-        help="where to write the Markdown results",
+        help="where to write the Markdown results (default: "
+        f"{default_out(__file__, False)}, or {default_out(__file__, True)} with "
+        "--quick)",
     )
     args = parser.parse_args()
+    args.out = args.out or default_out(__file__, args.quick)
     defaults = dict(size=256, hidden=64, repeats=2) if args.quick else {}
     defaults = {"size": TARGET_SIZE, "hidden": 512, "repeats": 7} | defaults
     for name, value in defaults.items():
