@@ -1,6 +1,7 @@
 """A generic compressor with error feedback (EF, EF21) as an optax transformation."""
 
 import functools as ft
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -12,13 +13,14 @@ from jaxtyping import Array, PyTree
 
 from .._base import ChunkCompressor, CompressedArray
 from .._collective import GatherSum, all_reduce
-from .._devices import axis_is_bound, axis_size
+from .._devices import axis_is_bound, axis_size, device_varying
 from .._scatter import (
     chunk_elems,
     compressed_reduce_scatter,
     reduce_scatter,
     two_phase_sum,
 )
+from .._types.quantized import Quantized
 from ._common import (
     AxisName,
     Filter,
@@ -31,7 +33,14 @@ from ._common import (
     mean_over_devices,
     per_device_zeros,
 )
-from ._errors import ErrorDtype, check_error_dtype, load_error, store_error, zero_error
+from ._errors import (
+    ErrorDtype,
+    block_size,
+    check_error_dtype,
+    load_error,
+    store_error,
+    zero_error,
+)
 
 
 ErrorFeedback = Literal["ef", "ef21"] | None
@@ -318,7 +327,29 @@ def _whole(shard: Any, devices: int) -> jax.ShapeDtypeStruct:
 
 
 def _zero_error(leaf: Any, error_dtype: ErrorDtype, axis: AxisName) -> Any:
-    return zero_error(leaf, axis, error_dtype)
+    if error_dtype is None:
+        return zero_error(leaf, axis, error_dtype)
+    # Zero codes and scales directly: XLA would constant-fold `quantize(zeros)`, which
+    # takes seconds of compilation for a large leaf.
+    shape = jnp.shape(leaf)
+    size = math.prod(shape)
+    block = block_size(size)
+    blocks = -(-size // block)
+    zeros = Quantized(
+        jnp.zeros((blocks, block), jnp.int8),
+        jnp.zeros((blocks,), jnp.float32),
+        event_shape=shape,
+        bits=8,
+        block_size=block,
+        dtype=leaf.dtype,
+    )
+    return _vary(zeros, axis)
+
+
+def _vary(value: Any, axis: AxisName) -> Any:
+    if axis is not None and axis_is_bound(axis):
+        return device_varying(value, axis)
+    return value
 
 
 def _chunk_codec(c: CompressedArray) -> ChunkCompressor | None:
