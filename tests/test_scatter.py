@@ -91,10 +91,12 @@ def test_received_bytes_follows_each_collective_kind():
 def test_chunks_align_with_blocks_and_cover_the_array():
     assert chunk_elems(1000, 8, 1) == 125
     assert chunk_elems(1000, 8, 16) == 128
-    assert chunk_elems(3, 8, 4) == 4
-    for size, n, multiple in [(1000, 8, 16), (7, 4, 1), (4096, 8, 256)]:
+    # Fewer elements than a block per device: no padding to whole blocks.
+    assert chunk_elems(640, 8, 256) == 80
+    for size, n, multiple in [(1000, 8, 16), (7, 4, 1), (4096, 8, 256), (3, 8, 4)]:
         chunk = chunk_elems(size, n, multiple)
-        assert chunk % multiple == 0 and n * chunk >= size
+        assert n * chunk >= size > (n - 1) * chunk - n * multiple
+        assert chunk % multiple == 0 or chunk < multiple
 
 
 # ---------------------------------------------------------------------------------
