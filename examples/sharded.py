@@ -5,8 +5,8 @@ Run it with
 
     python examples/sharded.py
 
-(a few minutes on two CPU cores; `--quick` runs a small network for a few steps and
-writes to a temporary folder). Every parameter (except the last bias, whose 10
+(about 20 minutes on two shared CPU cores for three seeds; `--quick` runs a small
+network for a few steps and writes to a temporary folder). Every parameter (except the last bias, whose 10
 entries do not split over 8 devices) is sharded along its first dim: each device
 stores `1/8` of it, and `1/8` of Adam's moments. Each step all-gathers the
 parameters, computes the device's gradient of the whole parameters on its slice of
