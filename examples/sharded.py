@@ -5,7 +5,7 @@ Run it with
 
     python examples/sharded.py
 
-(about 20 minutes on two shared CPU cores for three seeds; `--quick` runs a small
+(five to twenty minutes on two shared CPU cores for three seeds; `--quick` runs a small
 network for a few steps and writes to a temporary folder). Every parameter (except the last bias, whose 10
 entries do not split over 8 devices) is sharded along its first dim: each device
 stores `1/8` of it, and `1/8` of Adam's moments. Each step all-gathers the
