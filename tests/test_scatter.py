@@ -34,6 +34,7 @@ from tests.helpers.scatter import (
     on_mesh,
     split,
 )
+from tests.helpers.scripts import run_script
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -429,15 +430,13 @@ def test_partition_specs_shard_the_states_that_mirror_sharded_params():
 def test_sharded_example_quick(tmp_path):
     pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
     out = tmp_path / "sharded.md"
-    run_python(
-        [
-            str(ROOT / "examples" / "sharded.py"),
-            "--quick",
-            "--methods",
-            "int8-ef",
-            "--out",
-            str(out),
-        ]
+    run_script(
+        ROOT / "examples" / "sharded.py",
+        "--quick",
+        "--methods",
+        "int8-ef",
+        "--out",
+        str(out),
     )
     text = out.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
