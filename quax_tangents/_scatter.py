@@ -49,7 +49,9 @@ def _decode_sum(received: CompressedArray) -> Float[Array, "..."]:
     return jnp.tensordot(ones, decoded, axes=1)
 
 
-def _compress_chunks(compress: Callable, chunks: Array) -> CompressedArray:
+def _compress_chunks(
+    compress: Callable[[Array], CompressedArray], chunks: Array
+) -> CompressedArray:
     out = jax.vmap(compress)(chunks)
     if not isinstance(out, CompressedArray):
         raise TypeError(
