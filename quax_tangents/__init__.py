@@ -19,7 +19,10 @@ from ._ad import (
     value_and_grad as value_and_grad,
     vjp as vjp,
 )
-from ._base import CompressedArray as CompressedArray
+from ._base import (
+    ChunkCompressor as ChunkCompressor,
+    CompressedArray as CompressedArray,
+)
 from ._collective import (
     GatherSum as GatherSum,
     MajorityVote as MajorityVote,
@@ -59,8 +62,13 @@ from ._forward import (
     ForwardGradInfo as ForwardGradInfo,
     forward_grad as forward_grad,
 )
-from ._hlo import Collective as Collective, collectives as collectives
+from ._hlo import (
+    Collective as Collective,
+    collectives as collectives,
+    received_bytes as received_bytes,
+)
 from ._primitives import compress as compress, materialise as materialise
+from ._scatter import TwoPhase as TwoPhase, reduce_scatter as reduce_scatter
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.rows import SparseRows as SparseRows

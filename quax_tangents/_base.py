@@ -6,6 +6,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core as jexc
@@ -39,6 +40,9 @@ class CompressedArray(quax.ArrayValue):
         the carry that entered the body (`lax.scan`, `lax.while_loop`).
     - `all_reduce(axis_name, mean=)`: the exact sum (or mean) over devices inside
         `shard_map`, moving only compressed fields where the type can.
+    - `chunk_compressor()`: how this type compresses one 1-D chunk of an array with
+        the same settings, for the two-phase all-reduce; `None` where it has no
+        such form.
     - `inner(other)`: `sum(conj(self) * other)`.
 
     Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,
@@ -144,6 +148,21 @@ class CompressedArray(quax.ArrayValue):
         )
         return dense_all_reduce(self.materialise(), axis_name, mean=mean)
 
+    def chunk_compressor(self) -> "ChunkCompressor | None":
+        """How this type compresses a 1-D chunk of an array with its own settings, for
+        [`quax_tangents.TwoPhase`][], which splits a value into one flat chunk per
+        device.
+
+        The default is `None`: the type has no per-chunk form, and `TwoPhase` sums
+        its values with `all_reduce` instead (for the library's `LowRank`, whose
+        factors do not split into flat chunks).
+
+        **Returns:**
+
+        A [`quax_tangents.ChunkCompressor`][], or `None`.
+        """
+        return None
+
     # -- linear algebra --------------------------------------------------------------
 
     def inner(self, other: "ArrayLike | CompressedArray") -> Array:
@@ -239,6 +258,20 @@ class CompressedArray(quax.ArrayValue):
         primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
     ) -> Any:
         return densify(primitive, values, params, reason="no rule for these operands")
+
+
+class ChunkCompressor(eqx.Module):
+    """A compressor of 1-D chunks, as a type's `chunk_compressor()` gives it.
+
+    - `compress`: a function from a 1-D floating array to a compressed value of that
+        shape (it is `vmap`ped over the chunks).
+    - `multiple`: chunks are made a multiple of this many elements, so that they
+        align with the type's blocks (a chunk then compresses exactly as the same
+        elements of the whole array do).
+    """
+
+    compress: Callable[[Array], "CompressedArray"] = eqx.field(static=True)
+    multiple: int = eqx.field(default=1, static=True)
 
 
 def _conj_dot(x: Any, y: Any) -> Any:

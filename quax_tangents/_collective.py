@@ -27,6 +27,7 @@ from ._devices import (
     dense_all_reduce,
     gather,
 )
+from ._scatter import TwoPhase
 from ._types.lowrank import LowRank
 from ._types.signnorm import SignNorm
 
@@ -123,7 +124,7 @@ class MajorityVote(eqx.Module):
         return x._with_blocks(bits, norms)
 
 
-Method = GatherSum | PowerSum | MajorityVote
+Method = GatherSum | PowerSum | MajorityVote | TwoPhase
 
 
 def _check_method_type(method: eqx.Module, x: CompressedArray, cls: type) -> None:
@@ -240,6 +241,10 @@ def all_reduce(
     - [`quax_tangents.PowerSum`][]: LowRank only; PowerSGD rounds, approximate,
         `r * (m + n)` elements per matrix per round.
     - [`quax_tangents.MajorityVote`][]: SignNorm only; a SignNorm of the majority signs.
+    - [`quax_tangents.TwoPhase`][]: Quantized, SignNorm and Sparse; an `all_to_all` of
+        compressed chunks, then an all-gather of the compressed chunks of the sum:
+        about two compressed values received per device whatever the device count,
+        approximate (the sum is compressed once more). Other types use `GatherSum`.
 
     Values that are replicated (not varying over `axis_name`) are made varying first
     (`pvary`), so each device's copy counts once, as `lax.psum` counts it.
@@ -265,7 +270,8 @@ def all_reduce(
     method = GatherSum() if method is None else method
     if not callable(getattr(method, "reduce", None)):
         raise TypeError(
-            "`method` must be `GatherSum()`, `PowerSum(...)` or `MajorityVote()` (or "
+            "`method` must be `GatherSum()`, `PowerSum(...)`, `MajorityVote()` or "
+            "`TwoPhase()` (or "
             f"an object with a `reduce(x, axis_name, mean)` method), got {method!r}."
         )
     return jtu.tree_map(

@@ -163,3 +163,40 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = lowerable.lower(*args, **kwargs).compile()
     return collectives_in_hlo(compiled.as_text())
+
+
+def received_bytes(collective: Collective, devices: int) -> float:
+    """The bytes one device receives for `collective` on `devices` devices, under the
+    usual algorithms (what grows with the device count, unlike `operand_bytes`).
+
+    With `b` the collective's operand bytes on one device:
+
+    - all-gather: every other device's operand, `(n - 1) b` (that is `(n - 1) / n` of
+        its result);
+    - all-to-all: every piece of the operand but its own, `(n - 1) / n * b`;
+    - reduce-scatter: `(n - 1)` times its result, `(n - 1) / n * b`;
+    - all-reduce (a ring: a reduce-scatter then an all-gather): `2 (n - 1) / n * b`;
+    - collective-permute and collective-broadcast: `b`.
+
+    **Arguments:**
+
+    - `collective`: one entry of [`quax_tangents.collectives`][].
+    - `devices`: the number of devices `n` that take part in it.
+
+    **Returns:**
+
+    The bytes, a float (`0.0` on one device).
+    """
+    n, b = devices, collective.operand_bytes
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"`devices` must be a positive int, got {devices!r}.")
+    factors = {
+        "all-gather": n - 1,
+        "all-to-all": (n - 1) / n,
+        "ragged-all-to-all": (n - 1) / n,
+        "reduce-scatter": (n - 1) / n,
+        "all-reduce": 2 * (n - 1) / n,
+    }
+    if n == 1:
+        return 0.0
+    return factors.get(collective.kind, 1) * b

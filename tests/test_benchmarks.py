@@ -96,6 +96,9 @@ def test_collective_benchmark_quick(tmp_path):
         "as predicted (tables below) | met |"
     ) in text
     assert (tmp_path / "collective.png").stat().st_size > 0
+    # The two-phase rows and the device-count sweep (bytes, from compiled programs).
+    assert "| int8-two-phase |" in text and "| sign-ef-two-phase |" in text
+    assert "| method | 2 devices | 4 devices | 8 devices |" in text
 
 
 def test_compression_benchmark_quick(tmp_path):

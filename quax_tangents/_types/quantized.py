@@ -13,6 +13,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, UInt8
 
 from .. import _validate
+from .._base import ChunkCompressor
 from .._registry import rule
 from . import _blocked
 from ._blocked import BlockedArray
@@ -138,6 +139,13 @@ class Quantized(BlockedArray):
         return _decode(
             self.codes, self.scales, self.event_shape, self.bits, self.value_dtype
         )
+
+    def chunk_compressor(self) -> ChunkCompressor:
+        # Chunks of whole blocks quantise exactly as those blocks of the whole array.
+        compress = functools.partial(
+            quantize, bits=self.bits, block_size=self.block_size
+        )
+        return ChunkCompressor(compress, self.block_size)
 
     def _scaled(self, scalar: Array, dtype: Any) -> "Quantized":
         return self._replace(scales=self.scales * scalar, value_dtype=dtype)

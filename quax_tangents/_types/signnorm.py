@@ -14,6 +14,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
 from .. import _validate
+from .._base import ChunkCompressor
 from .._registry import rule
 from . import _blocked
 from ._blocked import BlockedArray
@@ -125,6 +126,12 @@ class SignNorm(BlockedArray):
         return _decode(
             self.bits, self.norms, self.event_shape, self.block_size, self.value_dtype
         )
+
+    def chunk_compressor(self) -> ChunkCompressor:
+        # With blocks, chunks of whole blocks; with one block (`block_size=None`),
+        # one norm per chunk.
+        compress = functools.partial(sign_norm, block_size=self.block_size)
+        return ChunkCompressor(compress, self.block_size or 8)
 
     def _scaled(self, scalar: Array, dtype: Any) -> "SignNorm":
         # The scalar may be traced: choose the bit pattern with `where`, not `if`.

@@ -22,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
-from .._base import CompressedArray, densify
+from .._base import ChunkCompressor, CompressedArray, densify
 from .._devices import axis_size, gather_along
 from .._fallback import record_dense_result, record_densification
 from .._lax import add_any_p
@@ -179,6 +179,13 @@ class Sparse(CompressedArray):
         return Sparse._build(
             jnp.pad(self.indices, pad), jnp.pad(self.values, pad), self.event_shape
         )
+
+    def chunk_compressor(self) -> ChunkCompressor | None:
+        # The same fraction of entries from every chunk.
+        size = _size(self.event_shape)
+        if self.batch_ndim or not size:
+            return None
+        return ChunkCompressor(functools.partial(top_k, k=min(self.k / size, 1.0)))
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "Sparse":
         # Exact: every device's entries side by side, `devices * k` of them.

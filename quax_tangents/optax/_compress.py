@@ -1,16 +1,26 @@
 """A generic compressor with error feedback (EF, EF21) as an optax transformation."""
 
 import functools as ft
+import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, PyTree
 
-from .._base import CompressedArray
+from .._base import ChunkCompressor, CompressedArray
 from .._collective import GatherSum, all_reduce
+from .._devices import axis_is_bound, axis_size, device_varying
+from .._scatter import (
+    chunk_elems,
+    compressed_reduce_scatter,
+    reduce_scatter,
+    two_phase_sum,
+)
+from .._types.quantized import Quantized
 from ._common import (
     AxisName,
     Filter,
@@ -23,26 +33,39 @@ from ._common import (
     mean_over_devices,
     per_device_zeros,
 )
+from ._errors import (
+    ErrorDtype,
+    block_size,
+    check_error_dtype,
+    load_error,
+    store_error,
+    zero_error,
+)
 
 
 ErrorFeedback = Literal["ef", "ef21"] | None
 
 
 class CompressState(NamedTuple):
-    """State of [`quax_tangents.optax.compress`][]. Each field holds one array per
+    """State of [`quax_tangents.optax.compress`][]. Each field holds one entry per
     compressed leaf and `None` for leaves that pass through uncompressed.
 
     - `error`: with `error_feedback="ef"`, what compression dropped so far, added to
-        the next update before compressing. Per device.
+        the next update before compressing: an array of the update's shape and dtype,
+        or with `error_dtype="int8"` a `Quantized` of it. Per device.
     - `estimate`: with `"ef21"`, this device's running estimate of its gradient.
         Per device.
     - `aggregate`: with `"ef21"` and an `axis_name`, the mean of the estimates over
         devices, which every device keeps identically.
+    - `server_error`: with `two_phase=True` and `"ef"`, what the second compression
+        dropped from this device's chunk of the mean: float32 `(chunk,)`, about
+        `1/n` of the leaf. Per device.
     """
 
     error: PyTree
     estimate: PyTree
     aggregate: PyTree
+    server_error: PyTree = None
 
 
 def compress(
@@ -52,6 +75,9 @@ def compress(
     min_compression_rate: float = 2.0,
     filter: Filter = None,
     axis_name: AxisName = None,
+    two_phase: bool = False,
+    sharded: bool | PyTree[bool] = False,
+    error_dtype: ErrorDtype = None,
 ) -> optax.GradientTransformation:
     """Compresses each update leaf with `compressor`, optionally with error feedback,
     and emits the dense value of the compressed update.
@@ -73,10 +99,33 @@ def compress(
     - `None`: emit `C(g)`; biased compressors then lose what they drop for good.
 
     With `axis_name`, call `update` inside `jax.shard_map`: each device compresses its
-    own gradient and the compressed values are averaged with
-    [`quax_tangents.all_reduce`][] (`GatherSum`, an all-gather of the compressed
-    fields), so no dense all-reduce of a compressed leaf runs. Call `init` inside the
-    body too, and see [`quax_tangents.optax.partition_specs`][].
+    own gradient and only compressed fields cross the wire. How the devices' values
+    are combined:
+
+    - default: [`quax_tangents.all_reduce`][] with `GatherSum` (an all-gather of the
+        compressed fields, exact): each device receives `n - 1` compressed leaves.
+    - `two_phase=True`: the two-phase all-reduce of [`quax_tangents.TwoPhase`][] for
+        `Quantized`, `SignNorm` and `Sparse` compressors (others use `GatherSum`):
+        each device receives about `2 (n - 1) / n` compressed leaves. With `"ef"`, the
+        error of the first compression is carried per device (`error`, the leaf's
+        size) and that of the second per chunk (`server_error`, `1/n` of the leaf).
+    - `sharded=True` (ZeRO / FSDP style): the parameters (and the states of the
+        transformations that follow) are sharded along their first dim over
+        `axis_name`. `update` takes each device's gradient of the *whole* parameters
+        and returns the update of *this device's shard*, by
+        [`quax_tangents.reduce_scatter`][] (an `all_to_all` of compressed chunks, each
+        device receiving `(n - 1) / n` of one compressed leaf). A pytree of bools (the
+        updates' structure or a prefix) says which leaves are sharded; the others are
+        averaged whole. The first dim of a sharded leaf must be a multiple of the
+        number of devices.
+
+    `error_dtype="int8"` stores the `"ef"` error as int8 codes with one float32 scale
+    per block of at most 256 elements (nearest rounding), about 0.26x the bytes of a
+    float32 error. What that rounding drops (at most `max|block| / 254` per element)
+    is not fed back.
+
+    Call `init` inside the `shard_map` body too (with `sharded`, on the shards), and
+    see [`quax_tangents.optax.partition_specs`][].
 
     **Arguments:**
 
@@ -89,6 +138,10 @@ def compress(
     - `filter`: which leaves may be compressed: `None` (all), a callable from a leaf to
         a bool, or a pytree of bools (the updates' structure or a prefix).
     - `axis_name`: the mesh axis to average over, or `None` on one device.
+    - `two_phase`: combine with the two-phase all-reduce.
+    - `sharded`: `True`, `False`, or a pytree of bools: the leaves whose parameters
+        are sharded along their first dim.
+    - `error_dtype`: `None` (the update's dtype) or `"int8"`.
 
     **Returns:**
 
@@ -102,53 +155,108 @@ def compress(
     if not callable(compressor):
         raise TypeError(f"`compressor` must be callable, got {compressor!r}.")
     rate = check_rate(min_compression_rate)
+    error_dtype = check_error_dtype(error_dtype)
+    _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype)
     plan_of = ft.partial(compress_plan, compressor, filter, rate)
+    shard_flags_of = ft.partial(_shard_flags, sharded)
+
+    def devices() -> int:
+        # Outside `shard_map` (`jax.eval_shape` for the specs) only the structure of
+        # the state matters.
+        bound = axis_name is not None and axis_is_bound(axis_name)
+        return axis_size(axis_name) if bound else 1
+
+    def server_zeros(leaf: Any, n: int) -> Array | None:
+        """A zero server error for one chunk of `leaf`; None where the compressor's
+        type has no chunks (it is then summed by `GatherSum`)."""
+        struct = jax.ShapeDtypeStruct(jnp.shape(leaf), leaf.dtype)
+        codec = _chunk_codec(jax.eval_shape(compressor, struct))
+        if codec is None:
+            return None
+        chunk = chunk_elems(struct.size, n, codec.multiple)
+        chunk_struct = jax.ShapeDtypeStruct((chunk,), jnp.float32)
+        return per_device_zeros(chunk_struct, axis_name)
 
     def init(params: PyTree) -> CompressState:
         leaves, treedef = jtu.tree_flatten(params)
-        plan = plan_of(params)
+        n = devices()
+        # With `sharded`, `params` are the shards; the updates are whole.
+        whole = [
+            _whole(leaf, n) if flag else leaf
+            for flag, leaf in zip(shard_flags_of(params), leaves)
+        ]
+        plan = plan_of(treedef.unflatten(whole))
         per_device = lambda leaf: per_device_zeros(leaf, axis_name)  # noqa: E731
         replicated = lambda leaf: jnp.zeros(jnp.shape(leaf), leaf.dtype)  # noqa: E731
-        error = estimate = aggregate = None
+        zero_error_of = ft.partial(_zero_error, error_dtype=error_dtype, axis=axis_name)
+        error = estimate = aggregate = server_error = None
         if error_feedback == "ef":
-            error = treedef.unflatten(fields(plan, leaves, per_device))
+            error = treedef.unflatten(fields(plan, whole, zero_error_of))
+            if two_phase:
+                server = ft.partial(server_zeros, n=n)
+                server_error = treedef.unflatten(fields(plan, whole, server))
         if error_feedback == "ef21":
-            estimate = treedef.unflatten(fields(plan, leaves, per_device))
+            estimate = treedef.unflatten(fields(plan, whole, per_device))
             if axis_name is not None:
-                aggregate = treedef.unflatten(fields(plan, leaves, replicated))
-        return CompressState(error, estimate, aggregate)
+                aggregate = treedef.unflatten(fields(plan, whole, replicated))
+        return CompressState(error, estimate, aggregate, server_error)
 
     def emitted(c: CompressedArray) -> Array:
         if axis_name is None:
             return c.materialise()
         return materialised(all_reduce(c, axis_name, GatherSum(), mean=True))
 
-    def update_leaf(g, error, estimate, aggregate):
-        if error_feedback == "ef":
-            v = g + error
+    def combine(v: Array, shard: bool, server_error: Any) -> tuple[Array, Array, Any]:
+        """The combined update of `v`, what the other devices decoded of it, and the
+        new server error."""
+        if shard:
+            out = compressed_reduce_scatter(v, compressor, axis_name, mean=True)
+            return out.shard, out.sent, None
+        codec = None
+        if two_phase:
+            struct = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            codec = _chunk_codec(jax.eval_shape(compressor, struct))
+        if codec is None:
             c = compressor(v)
-            return _dense(emitted(c), g), (v - c.materialise(), None, None)
+            return _dense(emitted(c), v), c.materialise(), server_error
+        out = two_phase_sum(v, codec, axis_name, mean=True, server_error=server_error)
+        return out.total, out.sent, out.server_error
+
+    def update_leaf(g, shard, error, estimate, aggregate, server_error):
+        if error_feedback == "ef":
+            v = g + load_error(error)
+            u, sent, server_error = combine(v, shard, server_error)
+            error = store_error(v - sent, g.dtype, error_dtype)
+            return u, (error, None, None, server_error)
         if error_feedback == "ef21":
             c = compressor(g - estimate)
             estimate = estimate + c.materialise()
             if axis_name is None:
-                return estimate, (None, estimate, None)
+                return estimate, (None, estimate, None, None)
             aggregate = aggregate + emitted(c)
-            return aggregate, (None, estimate, aggregate)
-        return _dense(emitted(compressor(g)), g), (None, None, None)
+            return aggregate, (None, estimate, aggregate, None)
+        u, _, _ = combine(g, shard, None)
+        return u, (None, None, None, None)
+
+    def pass_through(g: Array, shard: bool) -> Array:
+        if shard:
+            return reduce_scatter(g, None, axis_name, mean=True)
+        return mean_over_devices(g, axis_name)
 
     def update(updates, state, params=None):
         del params
         check_axis_name(axis_name)
         leaves, treedef = jtu.tree_flatten(updates)
         plan = plan_of(updates)
+        shards = shard_flags_of(updates)
         fields = [flat_fields(tree, treedef) for tree in state]
-        out, new_fields = [], [[], [], []]
-        for i, (chosen, g) in enumerate(zip(plan, leaves)):
+        out, new_fields = [], [[], [], [], []]
+        for i, (chosen, shard, g) in enumerate(zip(plan, shards, leaves)):
             if chosen:
-                u, leaf_state = update_leaf(g, *(field[i] for field in fields))
+                leaf_fields = (field[i] for field in fields)
+                u, leaf_state = update_leaf(g, shard, *leaf_fields)
             else:
-                u, leaf_state = mean_over_devices(g, axis_name), (None, None, None)
+                u, leaf_state = pass_through(g, shard), (None, None, None, None)
             out.append(u)
             for new, value in zip(new_fields, leaf_state):
                 new.append(value)
@@ -161,6 +269,91 @@ def compress(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init, update)
+
+
+def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> None:
+    if not isinstance(two_phase, bool):
+        raise TypeError(f"`two_phase` must be a bool, got {two_phase!r}.")
+    if callable(sharded):
+        raise TypeError(
+            "`sharded` must be a bool or a pytree of bools (the updates' structure or "
+            "a prefix), not a callable: `init` sees the shards and `update` the whole "
+            "gradients, so a callable would see different leaves."
+        )
+    wants_sharding = sharded is not False
+    for name, on in (("two_phase", two_phase), ("sharded", wants_sharding)):
+        if on and axis_name is None:
+            raise ValueError(f"`{name}` needs an `axis_name` to combine devices over.")
+        if on and error_feedback == "ef21":
+            raise ValueError(
+                f"`{name}` works with `error_feedback='ef'` or None, not 'ef21' (whose "
+                "aggregate needs the exact mean of the compressed changes)."
+            )
+    if two_phase and wants_sharding:
+        raise ValueError(
+            "Choose one of `two_phase` (an all-reduce) and `sharded` (a "
+            "reduce-scatter into sharded parameters)."
+        )
+    if error_dtype is not None and error_feedback != "ef":
+        raise ValueError(
+            "`error_dtype` sets how the 'ef' error is stored; it needs "
+            f"`error_feedback='ef'`, got {error_feedback!r}."
+        )
+
+
+def _shard_flags(sharded: bool | PyTree[bool], tree: PyTree) -> list[bool]:
+    leaves = jtu.tree_leaves(tree)
+    if isinstance(sharded, bool):
+        return [sharded and jnp.ndim(leaf) >= 1 for leaf in leaves]
+    try:
+        expanded = jtu.tree_map(
+            lambda flag, subtree: jtu.tree_map(lambda _: flag, subtree), sharded, tree
+        )
+    except ValueError as error:
+        raise ValueError(
+            "`sharded` must be a bool or a pytree of bools with the structure of the "
+            "updates (or a prefix of it)."
+        ) from error
+    flags = jtu.tree_leaves(expanded)
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise TypeError("A pytree `sharded` must hold Python bools.")
+    return [flag and jnp.ndim(leaf) >= 1 for flag, leaf in zip(flags, leaves)]
+
+
+def _whole(shard: Any, devices: int) -> jax.ShapeDtypeStruct:
+    """The shape of a whole leaf whose shard (along the first dim) is `shard`."""
+    shape = jnp.shape(shard)
+    return jax.ShapeDtypeStruct((devices * shape[0], *shape[1:]), shard.dtype)
+
+
+def _zero_error(leaf: Any, error_dtype: ErrorDtype, axis: AxisName) -> Any:
+    if error_dtype is None:
+        return zero_error(leaf, axis, error_dtype)
+    # Zero codes and scales directly: XLA would constant-fold `quantize(zeros)`, which
+    # takes seconds of compilation for a large leaf.
+    shape = jnp.shape(leaf)
+    size = math.prod(shape)
+    block = block_size(size)
+    blocks = -(-size // block)
+    zeros = Quantized(
+        jnp.zeros((blocks, block), jnp.int8),
+        jnp.zeros((blocks,), jnp.float32),
+        event_shape=shape,
+        bits=8,
+        block_size=block,
+        dtype=leaf.dtype,
+    )
+    return _vary(zeros, axis)
+
+
+def _vary(value: Any, axis: AxisName) -> Any:
+    if axis is not None and axis_is_bound(axis):
+        return device_varying(value, axis)
+    return value
+
+
+def _chunk_codec(c: CompressedArray) -> ChunkCompressor | None:
+    return c.chunk_compressor() if c.batch_ndim == 0 else None
 
 
 def _dense(x: Any, like: Array) -> Array:
