@@ -13,10 +13,11 @@ then checks:
 
 - rank-4 PowerSGD moves at least 50x fewer bytes per step than the dense all-reduce;
 - each PowerSGD round moves exactly `r * (m + n) * itemsize` bytes per matrix: the
-  operands of the compiled all-reduces are, shape for shape, one `(m, r)` and one
-  `(n, r)` per compressed matrix and round, plus the dense biases (on the example
-  MLP, and on single matrices through `quax_tangents.all_reduce(..., PowerSum(iters))`
-  in float32 and bfloat16);
+  operands of the compiled all-reduces are one with every `(m, r)` factor P
+  concatenated, one with every `(n, r)` factor Q, and one with the dense biases (on
+  the example MLP; `powersgd` batches its communication), and on single matrices
+  through `quax_tangents.all_reduce(..., PowerSum(iters))` one `(m, r)` and one
+  `(n, r)` per round, in float32 and bfloat16;
 - rank-4 PowerSGD's test accuracy is within 1 point of dense training (mean over
   seeds);
 - the two-phase all-reduce (`qto.compress(..., two_phase=True)`) of int8 and sign
@@ -49,6 +50,7 @@ import collections
 import dataclasses
 import functools as ft
 import importlib.util
+import math
 import pathlib
 import time
 
@@ -135,17 +137,25 @@ def plan(quick: bool) -> Plan:
 def expected_powersgd_operands(
     sizes: tuple[int, ...], rank: int, rate: float = 2.0
 ) -> collections.Counter:
-    """The multiset of all-reduce operand shapes one PowerSGD step of the example MLP
-    must have: `(m, r)` and `(n, r)` per compressed matrix, dense biases, and dense
-    matrices that compression would not pay for (as `powersgd` decides)."""
-    shapes: collections.Counter = collections.Counter()
+    """The multiset of all-reduce operand shapes one PowerSGD step (one power round)
+    of the example MLP must have. `powersgd` batches its communication: every `(m, r)`
+    factor P goes in one all-reduce, every `(n, r)` factor Q in another, and every
+    dense leaf (biases, and matrices that compression would not pay for) in a third,
+    each flattened and concatenated; a group of one array keeps its own shape."""
+    groups: dict[str, list[tuple[int, ...]]] = {"p": [], "q": [], "dense": []}
     for m, n in zip(sizes[:-1], sizes[1:]):
         if rank <= min(m, n) and m * n >= rate * rank * (m + n):
-            shapes[f"f32[{m},{rank}]"] += 1
-            shapes[f"f32[{n},{rank}]"] += 1
+            groups["p"].append((m, rank))
+            groups["q"].append((n, rank))
         else:
-            shapes[f"f32[{m},{n}]"] += 1
-        shapes[f"f32[{n}]"] += 1
+            groups["dense"].append((m, n))
+        groups["dense"].append((n,))
+    shapes: collections.Counter = collections.Counter()
+    for group in groups.values():
+        if len(group) == 1:
+            shapes[f"f32[{','.join(map(str, group[0]))}]"] += 1
+        elif group:
+            shapes[f"f32[{sum(math.prod(shape) for shape in group)}]"] += 1
     return shapes
 
 
@@ -509,10 +519,12 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
         "",
         "### All-reduce operands of one PowerSGD step of the example MLP",
         "",
-        "Expected: per weight matrix `(m, n)` one `(m, r)` (P) and one `(n, r)` (Q); "
-        "one dense operand per bias; a matrix whose `m n < 2 r (m + n)` stays dense "
-        "(the default `min_compression_rate`). XLA may combine several into one "
-        "all-reduce; the operands are counted one by one.",
+        "Expected: `powersgd` batches its communication, so one operand holds every "
+        "weight matrix's `(m, r)` factor P (flattened and concatenated), one every "
+        "`(n, r)` factor Q, and one every dense leaf (the biases, and a matrix whose "
+        "`m n < 2 r (m + n)`, the default `min_compression_rate`); a group of one "
+        "array keeps its shape. XLA may combine several into one all-reduce; the "
+        "operands are counted one by one.",
         "",
         "| method | operand shapes (count) | as expected |",
         "|---|---|---|",
