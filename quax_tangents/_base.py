@@ -43,6 +43,8 @@ class CompressedArray(quax.ArrayValue):
     - `chunk_compressor()`: how this type compresses one 1-D chunk of an array with
         the same settings, for the two-phase all-reduce; `None` where it has no
         such form.
+    - `chunk_compressor()`: how a flat chunk is compressed with the type's own
+        settings, for the two-phase all-reduce and `reduce_scatter`.
     - `inner(other)`: `sum(conj(self) * other)`.
 
     Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,
