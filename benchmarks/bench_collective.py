@@ -239,7 +239,9 @@ def chunk_runner(make_tx, data, config, mesh):
             chunk, mesh=mesh, in_specs=specs, out_specs=specs[:2] + (P(axis),)
         )
     )
-    idx = example._batches(len(x_train), config, rng)[: config.steps_per_call]
+    idx = example._batches(len(x_train), config, rng, example.DEVICES)[
+        : config.steps_per_call
+    ]
     split = NamedSharding(mesh, P(None, axis))
     xs, ys = jax.device_put(x_train[idx], split), jax.device_put(y_train[idx], split)
     compiled = run.lower(params, state, xs, ys).compile()
