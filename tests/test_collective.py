@@ -10,7 +10,6 @@ too few devices they are skipped here and run in a fresh Python process with
 
 import functools as ft
 import pathlib
-import re
 import warnings
 
 import jax
@@ -31,46 +30,26 @@ from tests.helpers.collective import (
     AXIS,
     DEVICES,
     enough_devices,
+    needs_devices_for,
     on_mesh,
     put,
     quadratic,
     quadratic_grad,
+    relative_error,
     run_python,
+    run_tests_in_fresh_process,
     split,
 )
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-needs_devices = pytest.mark.skipif(
-    not enough_devices(),
-    reason="runs in a fresh process with 8 host CPU devices (see "
-    "test_multi_device_tests_in_a_fresh_process)",
-)
+needs_devices = needs_devices_for("test_multi_device_tests_in_a_fresh_process")
 
 
 @pytest.mark.skipif(enough_devices(), reason="this process has the devices")
 def test_multi_device_tests_in_a_fresh_process():
-    result = run_python(
-        [
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "not example and not fresh_process",
-            __file__,
-        ],
-        cwd=ROOT,
-    )
-    assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
-    assert "skipped" not in result.stdout, result.stdout[-3000:]
-
-
-def _relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+    run_tests_in_fresh_process(__file__, "not example and not fresh_process")
 
 
 # ---------------------------------------------------------------------------------
@@ -175,7 +154,7 @@ def test_power_sum_equals_central_power_iteration():
     for _ in range(2):
         p = orthonormalise(total @ q)
         q = total.T @ p
-    assert _relative_error(out, p @ q.T) < 1e-5
+    assert relative_error(out, p @ q.T) < 1e-5
 
 
 @needs_devices
@@ -346,7 +325,7 @@ def test_powersgd_int8_error_converges_as_float32_on_iid_batches():
     convergence: the limitation `docs/training.md` states."""
     a, b, solution = quadratic()
     found = {
-        (dtype, iid): _relative_error(
+        (dtype, iid): relative_error(
             _powersgd_least_squares(dtype, a, b, solution.shape, iid=iid), solution
         )
         for dtype in (None, "int8")
@@ -411,7 +390,7 @@ def test_ef21_estimates_converge_to_a_fixed_gradient():
     stream = np.broadcast_to(grads, (80, DEVICES, *shape)).copy()
     tx = qto.compress(lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS)
     updates, state = _run_stream(tx, stream, jnp.zeros(shape))
-    assert _relative_error(updates[-1], grads.mean(0)) < 1e-5
+    assert relative_error(updates[-1], grads.mean(0)) < 1e-5
     assert_close(state.aggregate, grads.mean(0))
 
 
@@ -506,7 +485,7 @@ def test_every_method_converges_on_a_convex_quadratic():
     found = on_mesh(body, (P(AXIS), P(AXIS)), P())(split(a), split(b))
     tolerances = {name: tol for name, (_, tol) in _CONVERGENCE.items()}
     tolerances["majority-vote-ef"] = 0.15
-    errors = {name: _relative_error(w, solution) for name, w in found.items()}
+    errors = {name: relative_error(w, solution) for name, w in found.items()}
     failed = {n: e for n, e in errors.items() if not e < tolerances[n]}
     assert not failed, (failed, errors)
 

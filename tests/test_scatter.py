@@ -9,7 +9,6 @@ with 8 host CPU devices when this one has fewer
 
 import functools as ft
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,11 @@ import quax_tangents.optax as qto
 from quax_tangents._hlo import Collective
 from quax_tangents._scatter import chunk_elems
 from tests.helpers import assert_close
-from tests.helpers.collective import run_python
+from tests.helpers.collective import (
+    needs_devices_for,
+    relative_error,
+    run_tests_in_fresh_process,
+)
 from tests.helpers.scatter import (
     AXIS,
     DEVICES,
@@ -39,35 +42,12 @@ from tests.helpers.scripts import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-needs_devices = pytest.mark.skipif(
-    not enough_devices(),
-    reason="runs in a fresh process with 8 host CPU devices (see "
-    "test_scatter_tests_in_a_fresh_process)",
-)
+needs_devices = needs_devices_for("test_scatter_tests_in_a_fresh_process", DEVICES)
 
 
 @pytest.mark.skipif(enough_devices(), reason="this process has the devices")
 def test_scatter_tests_in_a_fresh_process():
-    result = run_python(
-        [
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "not fresh and not example",
-            __file__,
-        ],
-        cwd=ROOT,
-    )
-    assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
-    assert "skipped" not in result.stdout, result.stdout[-3000:]
-
-
-def _relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+    run_tests_in_fresh_process(__file__, "not fresh and not example")
 
 
 # ---------------------------------------------------------------------------------
@@ -215,7 +195,7 @@ def test_two_phase_is_the_compressed_chunks_of_the_exact_sum(name):
 
     decoded = [np.asarray(compressor(x).materialise()).reshape(-1) for x in xs]
     expected = chunkwise(sum(chunkwise(d) for d in decoded))
-    assert _relative_error(sums[name], expected.reshape(xs[0].shape)) < 1e-5
+    assert relative_error(sums[name], expected.reshape(xs[0].shape)) < 1e-5
 
 
 @needs_devices
@@ -350,7 +330,7 @@ def test_error_feedback_converges_with_two_phase_and_sharded_int8_errors():
         name: P(AXIS) if run is _run_sharded else P() for name, (run, _) in runs.items()
     }
     found = on_mesh(body, (P(AXIS), P(AXIS)), out_specs)(split(a), split(b))
-    errors = {name: _relative_error(w, solution) for name, w in found.items()}
+    errors = {name: relative_error(w, solution) for name, w in found.items()}
     tolerances = {
         "two-phase-int8": 1e-4,
         "two-phase-sign": 2e-2,
@@ -389,7 +369,7 @@ def test_int8_error_feedback_converges_on_one_device():
     w = jax.jit(_run_replicated, static_argnums=(0, 3, 4))(
         tx, a, b, solution.shape, 400
     )
-    assert _relative_error(w, solution) < 2e-2
+    assert relative_error(w, solution) < 2e-2
 
 
 @pytest.mark.parametrize(

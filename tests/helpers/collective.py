@@ -7,11 +7,14 @@ at import: the rule tests import every helper module.
 """
 
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -20,8 +23,32 @@ DEVICES = 4
 DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 
 
-def enough_devices() -> bool:
-    return len(jax.devices()) >= DEVICES
+def enough_devices(devices: int = DEVICES) -> bool:
+    return len(jax.devices()) >= devices
+
+
+def needs_devices_for(fresh_test: str, devices: int = DEVICES):
+    """Skips a test in a process with too few devices; `fresh_test` runs it."""
+    return pytest.mark.skipif(
+        not enough_devices(devices),
+        reason=f"runs in a fresh process with 8 host CPU devices (see {fresh_test})",
+    )
+
+
+def run_tests_in_fresh_process(test_file: str, keyword: str) -> None:
+    """Runs the tests of `test_file` selected by `keyword` with 8 host CPU devices,
+    and fails unless some ran and none was skipped."""
+    result = run_python(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keyword, test_file],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+    )
+    assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
+    assert "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def subprocess_env() -> dict[str, str]:
@@ -48,16 +75,16 @@ def run_python(
     return result
 
 
-def mesh() -> jax.sharding.Mesh:
-    return jax.make_mesh((DEVICES,), (AXIS,), devices=jax.devices()[:DEVICES])
+def mesh(devices: int = DEVICES) -> jax.sharding.Mesh:
+    return jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
 
 
-def on_mesh(fn, in_specs, out_specs, *, check_vma: bool = True):
-    """`fn` run on every device of the test mesh, jitted."""
+def on_mesh(fn, in_specs, out_specs, *, check_vma: bool = True, devices: int = DEVICES):
+    """`fn` run on every device of a mesh of `devices`, jitted."""
     return jax.jit(
         jax.shard_map(
             fn,
-            mesh=mesh(),
+            mesh=mesh(devices),
             in_specs=in_specs,
             out_specs=out_specs,
             check_vma=check_vma,
@@ -65,17 +92,19 @@ def on_mesh(fn, in_specs, out_specs, *, check_vma: bool = True):
     )
 
 
-def put(x, spec: P) -> jax.Array:
-    """`x` placed on the test mesh as `spec` says."""
-    return jax.device_put(np.asarray(x), NamedSharding(mesh(), spec))
+def put(x, spec: P, devices: int = DEVICES) -> jax.Array:
+    """`x` placed on a mesh of `devices` as `spec` says."""
+    return jax.device_put(np.asarray(x), NamedSharding(mesh(devices), spec))
 
 
-def split(x) -> jax.Array:
+def split(x, devices: int = DEVICES) -> jax.Array:
     """`x` split along its first axis, one block per device."""
-    return put(x, P(AXIS))
+    return put(x, P(AXIS), devices)
 
 
-def quadratic(seed: int = 0, m: int = 16, n: int = 8, rows: int = 32):
+def quadratic(
+    seed: int = 0, m: int = 16, n: int = 8, rows: int = 32, devices: int = DEVICES
+):
     """A least-squares problem split over the devices, and its solution.
 
     Device `i` holds `A_i` `(rows, m)` and `B_i` `(rows, n)`; the objective is the
@@ -84,9 +113,9 @@ def quadratic(seed: int = 0, m: int = 16, n: int = 8, rows: int = 32):
     optimum.
     """
     rng = np.random.default_rng(seed)
-    a = rng.standard_normal((DEVICES, rows, m)).astype(np.float32)
+    a = rng.standard_normal((devices, rows, m)).astype(np.float32)
     w = rng.standard_normal((m, n)).astype(np.float32)
-    b = (a @ w + 0.5 * rng.standard_normal((DEVICES, rows, n))).astype(np.float32)
+    b = (a @ w + 0.5 * rng.standard_normal((devices, rows, n))).astype(np.float32)
     solution = np.linalg.lstsq(a.reshape(-1, m), b.reshape(-1, n), rcond=None)[0]
     return a, b, solution
 
