@@ -85,7 +85,8 @@ class PowerSum(eqx.Module):
             raise ValueError(f"`iters` must be at least 1, got {self.iters}.")
 
     def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> LowRank:
-        _check_method_type(self, x, LowRank)
+        if not isinstance(x, LowRank):
+            raise _wrong_type(self, x, LowRank)
         work = jnp.promote_types(x.dtype, jnp.float32)
         left, right = x.left.astype(work), x.right.astype(work)
         *batch, n, r = right.shape
@@ -114,7 +115,8 @@ class MajorityVote(eqx.Module):
     """
 
     def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> SignNorm:
-        _check_method_type(self, x, SignNorm)
+        if not isinstance(x, SignNorm):
+            raise _wrong_type(self, x, SignNorm)
         gathered = x._with_blocks(gather(x.bits, axis_name), gather(x.norms, axis_name))
         votes = jnp.sum(gathered.signs(), axis=0)
         bits = jnp.packbits(votes >= 0, axis=-1, bitorder="little")
@@ -127,12 +129,11 @@ class MajorityVote(eqx.Module):
 Method = GatherSum | PowerSum | MajorityVote | TwoPhase
 
 
-def _check_method_type(method: eqx.Module, x: CompressedArray, cls: type) -> None:
-    if not isinstance(x, cls):
-        raise TypeError(
-            f"`{type(method).__name__}` reduces {cls.__name__} values (and dense "
-            f"arrays), not a {type(x).__name__}; use `GatherSum()` for an exact sum."
-        )
+def _wrong_type(method: eqx.Module, x: CompressedArray, cls: type) -> TypeError:
+    return TypeError(
+        f"`{type(method).__name__}` reduces {cls.__name__} values (and dense "
+        f"arrays), not a {type(x).__name__}; use `GatherSum()` for an exact sum."
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,8 +194,9 @@ def power_rounds(
     - `iters`: the number of rounds.
     - `reduce`: the all-reduce (sum or mean over devices; the identity on one device).
     """
-    p = None
-    for _ in range(iters):
+    p = orthonormalise(reduce(apply(q)))
+    q = reduce(apply_transposed(p))
+    for _ in range(iters - 1):
         p = orthonormalise(reduce(apply(q)))
         q = reduce(apply_transposed(p))
     return p, q

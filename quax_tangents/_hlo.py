@@ -157,12 +157,20 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     if isinstance(fn, stages) and (args or kwargs):
         raise TypeError("A lowered or compiled program takes no example arguments.")
     if isinstance(fn, jax.stages.Compiled):
-        return collectives_in_hlo(fn.as_text())
+        return collectives_in_hlo(_text(fn.as_text()))
     if isinstance(fn, jax.stages.Lowered):
-        return collectives_in_hlo(fn.compiler_ir("hlo").as_hlo_text())
-    lowerable = fn if hasattr(fn, "lower") else jax.jit(fn)
+        return collectives_in_hlo(_text(fn.compiler_ir("hlo")).as_hlo_text())
+    lowerable: Any = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = lowerable.lower(*args, **kwargs).compile()
-    return collectives_in_hlo(compiled.as_text())
+    return collectives_in_hlo(_text(compiled.as_text()))
+
+
+def _text(x: Any) -> Any:
+    if x is None:
+        raise ValueError(
+            "This compiled program has no HLO text to read collectives from."
+        )
+    return x
 
 
 def received_bytes(collective: Collective, devices: int) -> float:

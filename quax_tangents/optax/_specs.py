@@ -51,7 +51,9 @@ def partition_specs(
             )
         if isinstance(node, PowerSGDState):
             return PowerSGDState(
-                replicated, _specs(node.q, replicated), _specs(node.error, varying)
+                replicated,  # pyright: ignore[reportArgumentType]
+                _specs(node.q, replicated),
+                _specs(node.error, varying),
             )
         if param_structure is not None and _structure(node) == param_structure:
             return param_specs
