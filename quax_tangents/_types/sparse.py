@@ -9,7 +9,6 @@ products, `dot_general`) or concatenating along `k` (sums of two `Sparse`).
 """
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,14 +34,8 @@ _MAX_SIZE = int(np.iinfo(np.int32).max)
 _INDEX_BYTES = jnp.dtype(_INDEX_DTYPE).itemsize
 
 
-def _size(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-def _accumulation_dtype(dtype: Any) -> Any:
-    """Sums of half-precision values accumulate in float32, as XLA does for dense
-    reductions; wider dtypes accumulate in themselves."""
-    return jnp.promote_types(dtype, jnp.float32)
+_size = _ix.size
+_accumulation_dtype = _ix.accumulation_dtype
 
 
 def _fits(shape: Sequence[int]) -> bool:
@@ -462,21 +455,6 @@ def _mul_dense(s: Sparse, d: ArrayLike, **params: Any) -> Sparse | Array:
     return _mul_kernel(s, d, tuple(out.shape), static_params)
 
 
-def _dot_roles(
-    s_ndim: int, d_ndim: int, dimension_numbers: Any, sparse_is_lhs: bool
-) -> tuple[tuple[int, ...], ...]:
-    """(sparse batch, contracting, free dims; dense batch, contracting, free dims)."""
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    if sparse_is_lhs:
-        s_c, d_c, s_b, d_b = lhs_contract, rhs_contract, lhs_batch, rhs_batch
-    else:
-        s_c, d_c, s_b, d_b = rhs_contract, lhs_contract, rhs_batch, lhs_batch
-    s_c, d_c, s_b, d_b = tuple(s_c), tuple(d_c), tuple(s_b), tuple(d_b)
-    s_f = tuple(a for a in range(s_ndim) if a not in s_c + s_b)
-    d_f = tuple(a for a in range(d_ndim) if a not in d_c + d_b)
-    return s_b, s_c, s_f, d_b, d_c, d_f
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
 def _dot_kernel(
     s: Sparse,
@@ -487,44 +465,13 @@ def _dot_kernel(
     out_shape: tuple[int, ...],
     dense: bool,
 ) -> Sparse | Array:
-    s_b, s_c, s_f, d_b, d_c, d_f = _dot_roles(
-        s.ndim, d.ndim, dimension_numbers, sparse_is_lhs
-    )
-    batch_shape = tuple(s.shape[a] for a in s_b)
-    contract_shape = tuple(s.shape[a] for a in s_c)
-    s_free_shape = tuple(s.shape[a] for a in s_f)
-    n_free = _size([d.shape[a] for a in d_f])
-    n_s_free = _size(s_free_shape)
-    # Entry t of the sparse operand, at coordinates x_t, contributes
-    # v_t * d[batch(x_t), contract(x_t), j] to the output at (batch(x_t), free(x_t), j)
-    # for every free position j of the dense operand.
     indices, values, full = _flat(s)
-    coords = _ix.unravel(indices, full)
-    batch_flat = _ix.ravel([coords[a] for a in s_b], batch_shape, indices)
-    contract_flat = _ix.ravel([coords[a] for a in s_c], contract_shape, indices)
-    s_free_flat = _ix.ravel([coords[a] for a in s_f], s_free_shape, indices)
-    d3 = jnp.transpose(d, d_b + d_c + d_f).reshape(
-        _size(batch_shape), _size(contract_shape), n_free
+    out = _ix.dot_entries(
+        indices, values, full, d, dimension_numbers, sparse_is_lhs, out_dtype
     )
-    gathered = _ix.gather(d3, batch_flat, contract_flat)  # (nnz, n_free)
-    j = jnp.arange(n_free, dtype=_INDEX_DTYPE)[None, :]
-    if sparse_is_lhs:  # output dims: (batch, sparse free, dense free)
-        out_indices = (batch_flat * n_s_free + s_free_flat)[:, None] * n_free + j
-    else:  # output dims: (batch, dense free, sparse free)
-        out_indices = (batch_flat[:, None] * n_free + j) * n_s_free
-        out_indices = out_indices + s_free_flat[:, None]
-    out_indices = out_indices.reshape(-1)
-    compute = jnp.promote_types(jnp.promote_types(values.dtype, d.dtype), out_dtype)
     if dense:
-        # Scatter the products straight into the output, accumulating like XLA.
-        acc = _accumulation_dtype(compute)
-        product = values.astype(acc)[:, None] * gathered.astype(acc)
-        result = _ix.scatter_add(
-            jnp.zeros(_size(out_shape), acc), out_indices, product.reshape(-1)
-        )
-        return result.astype(out_dtype).reshape(out_shape)
-    product = values.astype(compute)[:, None] * gathered.astype(compute)
-    return Sparse._build(out_indices, product.astype(out_dtype).reshape(-1), out_shape)
+        return out.dense(out_shape)
+    return Sparse._build(out.indices, out.values, out_shape)
 
 
 def _dot_general(
@@ -536,7 +483,7 @@ def _dot_general(
         return densify(jax.lax.dot_general_p, operands, params, reason=why)
     d = jnp.asarray(d)
     numbers = params["dimension_numbers"]
-    *_, d_free = _dot_roles(s.ndim, d.ndim, numbers, sparse_is_lhs)
+    *_, d_free = _ix.dot_roles(s.ndim, d.ndim, numbers, sparse_is_lhs)
     nnz = s.indices.size * _size([d.shape[a] for a in d_free])
     dense = _sparse_bytes(nnz, out.dtype) > _dense_bytes(out.shape, out.dtype)
     if dense:
