@@ -49,10 +49,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import optax
+
+# The data and the model of the data-parallel example, which lives next to this one.
+from data_parallel import load_data, logits, loss
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
@@ -67,16 +68,6 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "sharded.md"
 # Data and model
 
 
-def load_data(seed: int = 0):
-    """Digits, standardised with the training set's statistics, split 80/20."""
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x.astype(np.float32), y, test_size=0.2, random_state=seed, stratify=y
-    )
-    mean, std = x_train.mean(0), x_train.std(0) + 1e-3
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
-
-
 def init_mlp(rng: np.random.Generator, sizes: tuple[int, ...]) -> list[dict]:
     return [
         {
@@ -85,17 +76,6 @@ def init_mlp(rng: np.random.Generator, sizes: tuple[int, ...]) -> list[dict]:
         }
         for m, n in zip(sizes[:-1], sizes[1:])
     ]
-
-
-def logits(params: list[dict], x: jax.Array) -> jax.Array:
-    *hidden, last = params
-    for layer in hidden:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    return x @ last["w"] + last["b"]
-
-
-def loss(params: list[dict], x: jax.Array, y: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
 
 
 def sharded_flags(params: list[dict]) -> list[dict]:
