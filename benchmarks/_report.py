@@ -12,6 +12,7 @@ import pathlib
 import platform
 import shlex
 import sys
+from typing import Any
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -90,3 +91,14 @@ def environment(
     if load_at_start is not None:
         lines.append(load_line(load_at_start))
     return lines
+
+
+def add_out_argument(parser: Any, script: str) -> None:
+    """The `--out` option every benchmark takes, with its default in the help."""
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        help="where to write the markdown results (default: "
+        f"{default_out(script, False)}, or {default_out(script, True)} with "
+        "--quick)",
+    )

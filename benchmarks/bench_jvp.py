@@ -19,12 +19,11 @@ benchmarks/results/quick/, which git ignores), or to `--out`. The measurements a
 
 import argparse
 import os
-import pathlib
 import time
 
 from _jvp_measure import FULL, QUICK, run_width
 from _jvp_report import report
-from _report import default_out
+from _report import add_out_argument, default_out
 
 import quax_tangents as qt
 
@@ -36,13 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="width 256, batch 32, 2 repeats: a smoke run that takes seconds",
     )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        help="where to write the markdown results (default: "
-        f"{default_out(__file__, False)}, or {default_out(__file__, True)} with "
-        "--quick)",
-    )
+    add_out_argument(parser, __file__)
     return parser.parse_args(argv)
 
 

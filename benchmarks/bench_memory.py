@@ -23,7 +23,6 @@ benchmarks/results/quick/, which git ignores), or to `--out`.
 
 import argparse
 import dataclasses
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _report import default_out, environment, produced_by
+from _report import add_out_argument, default_out, environment, produced_by
 
 import quax_tangents as qt
 
@@ -430,13 +429,7 @@ def report(config: Config, results: list[Measured], elapsed: float) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        help="where to write the markdown results (default: "
-        f"{default_out(__file__, False)}, or {default_out(__file__, True)} with "
-        "--quick)",
-    )
+    add_out_argument(parser, __file__)
     return parser.parse_args(argv)
 
 

@@ -37,6 +37,7 @@ from tests.helpers.collective import (
     quadratic_grad,
     relative_error,
     run_python,
+    run_replicated,
     run_tests_in_fresh_process,
     split,
 )
@@ -463,16 +464,7 @@ def test_every_method_converges_on_a_convex_quadratic():
     steps = 600
 
     def run(tx, a, b):
-        w = jnp.zeros(solution.shape)
-        state = tx.init(w)
-
-        def step(carry, _):
-            w, state = carry
-            updates, state = tx.update(quadratic_grad(w, a, b), state, w)
-            return (w + updates, state), None
-
-        (w, _), _ = lax.scan(step, (w, state), length=steps)
-        return w
+        return run_replicated(tx, quadratic_grad, a, b, solution.shape, steps)
 
     def body(a, b):
         out = {

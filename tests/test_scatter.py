@@ -26,6 +26,7 @@ from tests.helpers import assert_close
 from tests.helpers.collective import (
     needs_devices_for,
     relative_error,
+    run_replicated,
     run_tests_in_fresh_process,
 )
 from tests.helpers.scatter import (
@@ -264,16 +265,7 @@ def _two_phase_sgd(compressor, **options):
 
 
 def _run_replicated(tx, a, b, shape, steps):
-    w = jnp.zeros(shape)
-    state = tx.init(w)
-
-    def step(carry, _):
-        w, state = carry
-        updates, state = tx.update(least_squares_grad(w, a, b), state, w)
-        return (w + updates, state), None
-
-    (w, _), _ = lax.scan(step, (w, state), length=steps)
-    return w
+    return run_replicated(tx, least_squares_grad, a, b, shape, steps)
 
 
 def _run_sharded(tx, a, b, shape, steps):

@@ -123,3 +123,18 @@ def quadratic(
 def quadratic_grad(w, a, b):
     """This device's gradient of `|a w - b|^2 / (2 rows)`."""
     return a.T @ (a @ w - b) / a.shape[0]
+
+
+def run_replicated(tx, grad, a, b, shape, steps: int):
+    """`steps` updates of `tx` from zeros of `shape` on this device's `grad(w, a, b)`,
+    applied as `w + updates`, in one `lax.scan`."""
+    w = jax.numpy.zeros(shape)
+    state = tx.init(w)
+
+    def step(carry, _):
+        w, state = carry
+        updates, state = tx.update(grad(w, a, b), state, w)
+        return (w + updates, state), None
+
+    (w, _), _ = jax.lax.scan(step, (w, state), length=steps)
+    return w
