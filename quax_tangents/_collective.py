@@ -30,6 +30,7 @@ from ._devices import (
 from ._scatter import TwoPhase
 from ._types.lowrank import LowRank
 from ._types.signnorm import SignNorm
+from ._unchecked import unchecked
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class PowerSum(eqx.Module):
                 work
             ),
         )
-        return LowRank(p.astype(x.dtype), q.astype(x.dtype))
+        return unchecked(LowRank, left=p.astype(x.dtype), right=q.astype(x.dtype))
 
 
 class MajorityVote(eqx.Module):

@@ -23,6 +23,7 @@ Outside our entry points a mark is the custom_vjp identity alone, whose backward
 computes the same numbers densely.
 """
 
+import contextlib
 import dataclasses
 import threading
 from collections import Counter
@@ -36,7 +37,8 @@ import jax.extend.core as jexc
 import jax.numpy as jnp
 import numpy as np
 import quax
-from jax.interpreters import ad, mlir
+from jax._src import config as jax_config
+from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from . import _fallback, _validate
@@ -258,6 +260,26 @@ class _State(threading.local):
 
 _state = _State()
 
+# The mode is part of JAX's trace context, so that `jax.jit` keeps the traces that
+# an entry point made (with marks bound as `mark_p`) apart from plain JAX's (marks
+# as the custom_vjp identity): `jax.grad` and `quax_tangents.grad` of one jitted
+# function then each find their own trace, in either order.
+# (JAX's private config API: without it, a trace cached by one is still
+# differentiated correctly by the other, through `mark_p`'s JVP, but densely.)
+def _mode_context(mode: str) -> Any:
+    return contextlib.nullcontext()
+
+
+_trace_mode: Callable[[str], Any] = _mode_context
+with contextlib.suppress(AttributeError, TypeError):
+    _trace_mode = jax_config.enum_state(
+        "quax_tangents_mark_mode",
+        ["none", "probe", "inner"],
+        "none",
+        "How quax_tangents' cotangent marks trace (private).",
+        include_in_trace_context=True,
+    )
+
 
 def _mark(spec: Finish, w: Any, operands: tuple) -> Any:
     if _state.mode == "probe":
@@ -274,12 +296,14 @@ def traced_with_marks(trace: Callable[[], _T]) -> _T:
     counts = Counter(_fallback._densify_counts), Counter(_fallback._budget_counts)
     _state.mode = "probe"
     try:
-        return trace()
+        with _trace_mode("probe"):
+            return trace()
     except _NeedsInnerLayer:
         _restore(_fallback._densify_counts, counts[0])
         _restore(_fallback._budget_counts, counts[1])
         _state.mode = "inner"
-        return trace()
+        with _trace_mode("inner"):
+            return trace()
     finally:
         _state.mode = previous
 
@@ -325,17 +349,20 @@ mlir.register_lowering(
 
 
 def _mark_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
-    raise RuntimeError(
-        "A cotangent mark (`projected_cotangent`, `factored_cotangent`, "
-        "`sparse_rows_cotangent`) reached JAX's differentiation without its rules: "
-        "its function was traced by `quax_tangents.grad`/`value_and_grad`/`vjp`, "
-        "cached (e.g. by `jax.jit`), and reused by another transformation, or it sits "
-        "inside a transformation that the marks do not enter. Call the mark outside "
-        "that transformation and pass the marked weight in, or call "
-        "`jax.clear_caches()` before differentiating the function another way."
-    )
+    # A trace cached with the mark in it (say by `jax.jit` under `grad`) and then
+    # differentiated by plain JAX: the mark is the custom_vjp identity there, so
+    # linearising and transposing finish the cotangent densely, as elsewhere.
+    w, *operands = primals
+    tangent = ad.instantiate_zeros(tangents[0])
+    return jax.jvp(lambda w: _finished(spec, w, *operands), (w,), (tangent,))
 
 
+def _mark_batch(args: tuple, dims: tuple, *, spec: Finish) -> tuple:
+    mapped = jax.vmap(lambda w, *ops: _finished(spec, w, *ops), in_axes=tuple(dims))
+    return mapped(*args), 0
+
+
+batching.primitive_batchers[mark_p] = _mark_batch
 ad.primitive_jvps[mark_p] = _mark_jvp
 
 

@@ -20,6 +20,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import ArrayLike, PyTree
 
 from ._base import materialise_values
+from ._validate import values_unchecked
 from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
 
@@ -64,8 +65,15 @@ def _define(
 compress_p = jexc.Primitive("compress")
 
 
+def _compressed(x: Any, compressor: Callable, batch_ndim: int) -> Any:
+    # `x` is a value of the traced program (a cotangent, say), not user input: like
+    # any JAX operation, compressing it lets a NaN flow on (see `_validate`).
+    with values_unchecked():
+        return _map_leading(compressor, batch_ndim)(x)
+
+
 def _compress_dense(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
-    return materialise_values(_map_leading(compressor, batch_ndim)(x))
+    return materialise_values(_compressed(x, compressor, batch_ndim))
 
 
 def _compress_abstract(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
@@ -79,7 +87,7 @@ ad.deflinear(compress_p, lambda ct, **params: [compress_p.bind(ct, **params)])
 
 @rule(compress_p)
 def _compress_rule(x: ArrayLike, *, compressor: Callable, batch_ndim: int) -> Any:
-    return _map_leading(compressor, batch_ndim)(x)
+    return _compressed(x, compressor, batch_ndim)
 
 
 @rule(compress_p)
@@ -87,7 +95,7 @@ def _recompress_rule(
     x: quax.ArrayValue, *, compressor: Callable, batch_ndim: int
 ) -> Any:
     # Compressing is defined on the dense value; asked for by name, not a fallback.
-    return _map_leading(compressor, batch_ndim)(x.materialise())
+    return _compressed(x.materialise(), compressor, batch_ndim)
 
 
 def compress(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:

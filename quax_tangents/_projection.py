@@ -20,7 +20,7 @@ import jax
 import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
 from ._fallback import record_densification
@@ -29,6 +29,7 @@ from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
 from ._types.outer import OuterSum
 from ._types.rows import SparseRows
+from ._unchecked import unchecked
 
 
 def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:
@@ -166,7 +167,9 @@ def _projected(
     else:
         basis_out = basis.astype(dtype)
     other = apply_t(basis).astype(dtype)
-    return LowRank(basis_out, other) if m <= n else LowRank(other, basis_out)
+    # Computed, not user input: a NaN in the gradient flows on (see `_unchecked`).
+    left, right = (basis_out, other) if m <= n else (other, basis_out)
+    return unchecked(LowRank, left=left, right=right)
 
 
 def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:
@@ -204,6 +207,16 @@ def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
 
 
 ad.primitive_jvps[finish_p] = _finish_jvp
+
+
+def _finish_batch(args: tuple, dims: tuple, *, spec: Finish) -> tuple:
+    # One dense finish per batch element (a vmapped loss with a mark, differentiated
+    # by plain JAX).
+    finish = lambda ct, *ops: _finish_dense(ct, *ops, spec=spec)  # noqa: E731
+    return jax.vmap(finish, in_axes=tuple(dims))(*args), 0
+
+
+batching.primitive_batchers[finish_p] = _finish_batch
 
 
 @rule(finish_p)

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float
 
 from ._base import ChunkCompressor, CompressedArray
 from ._devices import AxisName, axes_of, axis_size, gather, vary_leaf
+from ._validate import values_unchecked
 
 
 # ---------------------------------------------------------------------------------------
@@ -52,7 +53,9 @@ def _decode_sum(received: CompressedArray) -> Float[Array, "..."]:
 def _compress_chunks(
     compress: Callable[[Array], CompressedArray], chunks: Array
 ) -> CompressedArray:
-    out = jax.vmap(compress)(chunks)
+    # Chunks of values the program computed: a NaN flows on (see `_validate`).
+    with values_unchecked():
+        out = jax.vmap(compress)(chunks)
     if not isinstance(out, CompressedArray):
         raise TypeError(
             "`compressor` must return a compressed value (Quantized, SignNorm, Sparse "
@@ -148,7 +151,8 @@ def two_phase_sum(
     shard = _mask_padding(shard, axis_name, x.size)
     if server_error is not None:
         shard = shard + server_error
-    reply = compressor.compress(shard.astype(x.dtype))
+    with values_unchecked():
+        reply = compressor.compress(shard.astype(x.dtype))
     new_error = None
     if server_error is not None:
         dropped = shard - reply.materialise().astype(jnp.float32)

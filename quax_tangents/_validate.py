@@ -1,9 +1,16 @@
 """Input checks shared by every representation and compressor.
 
 Each error names the argument and says how to fix it. Value checks (finiteness) only
-run on concrete arrays: under `jit` the values are not known at trace time.
+run on concrete arrays: under `jit` the values are not known at trace time. They
+check what a user passes in, never what the library computes: inside
+`values_unchecked()` (a compressor applied to a cotangent in a backward pass, a
+collective's decoding) a NaN or Inf flows on as it does in dense JAX, where
+`jax_debug_nans` finds the operation that made it.
 """
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -12,8 +19,33 @@ import jax.numpy as jnp
 import numpy as np
 
 
+class _Checks(threading.local):
+    def __init__(self) -> None:
+        self.off = 0
+
+
+_checks = _Checks()
+
+
+@contextlib.contextmanager
+def values_unchecked() -> Iterator[None]:
+    """Within it, value checks pass: for library-internal calls of public
+    compressors and constructors on values the library computed."""
+    _checks.off += 1
+    try:
+        yield
+    finally:
+        _checks.off -= 1
+
+
 def is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
+
+
+def checks_values(x: Any) -> bool:
+    """Whether to check the values of `x`: concrete, and not inside
+    `values_unchecked()`."""
+    return not _checks.off and is_concrete(x)
 
 
 def check_floating(name: str, x: Any) -> None:
@@ -39,7 +71,7 @@ def check_dtype(name: str, x: Any, expected: Any) -> None:
 
 
 def check_finite(name: str, x: Any) -> None:
-    if is_concrete(x) and not bool(np.all(np.isfinite(np.asarray(x, np.float32)))):
+    if checks_values(x) and not bool(np.all(np.isfinite(np.asarray(x, np.float32)))):
         raise ValueError(
             f"`{name}` contains NaN or Inf. Compress finite values only; check the "
             "computation that produced it (e.g. with `jax.debug_nans`)."

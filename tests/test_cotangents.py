@@ -6,6 +6,7 @@ import re
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -283,16 +284,82 @@ def test_a_mark_inside_jit_within_the_loss():
     assert_close(grad, p @ (p.T @ jax.grad(lambda w: jnp.sum(x @ w))(w)))
 
 
-def test_a_mark_reused_from_a_cache_by_plain_jax_is_an_error():
-    w, x = random_array(0, (M, N)), random_array(1, (2, M))
+def _marked_loss(kind):
+    """A fresh loss with a mark of `kind` (fresh, so that no jit cache holds it), its
+    argument, and the type `quax_tangents.grad` returns."""
+    if kind == "rows":
+        ids = jnp.asarray([3, 7, 3])
 
-    @jax.jit
-    def inner(w):
-        return x @ qt.projected_cotangent(w, RANK)
+        def loss(table):
+            return jnp.sum(jnp.sin(qt.sparse_rows_cotangent(table)[ids]))
 
-    qt.grad(lambda w: jnp.sum(inner(w)))(w)
-    with pytest.raises(RuntimeError, match="jax.clear_caches"):
-        jax.grad(lambda w: jnp.sum(inner(w)))(w)
+        return loss, random_array(0, (20, 4)), qt.SparseRows
+    x = random_array(1, (2, M))
+    mark = {
+        "projected": lambda w: qt.projected_cotangent(w, RANK),
+        "factored": qt.factored_cotangent,
+    }[kind]
+
+    def loss(w):
+        return jnp.sum(jnp.sin(x @ mark(w)))
+
+    return loss, random_array(0, (M, N)), qt.LowRank
+
+
+@pytest.mark.parametrize("kind", ["projected", "factored", "rows"])
+@pytest.mark.parametrize("first", ["quax_tangents.grad", "jax.grad"])
+def test_jit_and_either_grad_in_either_order(kind, first):
+    loss, w, compressed = _marked_loss(kind)
+    expected_compressed, expected_dense = qt.grad(loss)(w), jax.grad(loss)(w)
+    jitted = jax.jit(loss)
+    with qt.fallback("error"):
+        if first == "jax.grad":
+            dense = jax.grad(jitted)(w)
+            grad = qt.grad(jitted)(w)
+        else:
+            grad = qt.grad(jitted)(w)
+            dense = jax.grad(jitted)(w)
+    assert isinstance(grad, compressed)
+    assert isinstance(dense, jax.Array)
+    assert_close(grad, expected_compressed)
+    assert_close(dense, expected_dense)
+    # The cached traces serve other transformations too.
+    _, pullback = jax.vjp(jitted, w)
+    assert_close(pullback(jnp.ones(()))[0], expected_dense)
+    batch = jnp.stack([w, 2 * w])
+    by_row = jnp.stack([jax.grad(loss)(v) for v in batch])
+    assert_close(jax.vmap(jax.grad(jitted))(batch), by_row)
+
+
+@pytest.mark.parametrize("kind", ["projected", "factored", "rows"])
+def test_a_bound_mark_differentiates_as_the_dense_identity(kind):
+    # A trace that holds `mark_p` itself (as an entry point's trace does), reached by
+    # plain JAX: linearised and transposed, it finishes the cotangent densely.
+    from quax_tangents import _cotangents
+
+    loss, w, _ = _marked_loss(kind)
+    expected = jax.grad(loss)(w)
+    with _cotangents._trace_mode("inner"):
+        _cotangents._state.mode = "inner"
+        try:
+            jaxpr = jax.make_jaxpr(loss)(w)
+        finally:
+            _cotangents._state.mode = None
+    assert _cotangents.mark_p in {e.primitive for e in jaxpr.eqns}
+    replay = lambda w: jax.extend.core.jaxpr_as_fun(jaxpr)(w)[0]  # noqa: E731
+    assert_close(jax.grad(replay)(w), expected)
+    _, pullback = jax.vjp(replay, w)
+    assert_close(pullback(jnp.ones(()))[0], expected)
+    batch = jnp.stack([w, 2 * w])
+    assert_close(jax.vmap(replay)(batch), jax.vmap(loss)(batch))
+    assert_close(
+        jax.vmap(jax.grad(replay))(batch), jnp.stack([jax.grad(loss)(v) for v in batch])
+    )
+    # Forward mode is what it is for the custom_vjp identity: refused alike.
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(replay, (w,), (w,))
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(loss, (w,), (w,))
 
 
 # ---------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class LowRank(CompressedArray):
                 "the loop."
             )
         record_budget_event("loop carry", "recompress")
-        return LowRank(*truncate(self.left, self.right, like.rank))
+        return _lowrank(*truncate(self.left, self.right, like.rank))
 
     def pad_rank(self, rank: int) -> "LowRank":
         """The same array with factors zero-padded to `rank` columns."""
@@ -115,7 +115,7 @@ class LowRank(CompressedArray):
         if extra <= 0:
             return self
         pad = [(0, 0)] * (self.left.ndim - 1) + [(0, extra)]
-        return LowRank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
+        return _lowrank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
         # Exact: every device's factors side by side, rank `devices * r`.
@@ -123,7 +123,7 @@ class LowRank(CompressedArray):
         right = gather_along(self.right, axis_name, axis=-1)
         if mean:
             left = left / jnp.asarray(axis_size(axis_name), left.dtype)
-        return LowRank(left, right)
+        return _lowrank(left, right)
 
     def inner(self, other: Any) -> Array:
         # sum_ij conj(a_ij) b_ij from the factors: never the m x n product.

@@ -186,7 +186,7 @@ def _encode(x, elems: int) -> tuple[Array, Array]:
 
 
 def _check_norms_fit(norms: Array, block_size: int | None) -> None:
-    if _validate.is_concrete(norms) and not bool(np.all(np.isfinite(norms))):
+    if _validate.checks_values(norms) and not bool(np.all(np.isfinite(norms))):
         raise ValueError(
             "`x` has a block whose l2 norm overflows float32 (above about 3.4e38), "
             "the dtype `SignNorm` stores its norms in"

@@ -21,6 +21,7 @@ from .._scatter import (
     two_phase_sum,
 )
 from .._types.quantized import Quantized
+from .._validate import values_unchecked
 from ._common import (
     AxisName,
     Filter,
@@ -246,6 +247,12 @@ def compress(
     def update(updates, state, params=None):
         del params
         check_axis_name(axis_name)
+        # A NaN in the updates flows on, as through a dense optimiser (see
+        # `_validate`); `jax_debug_nans` finds where it started.
+        with values_unchecked():
+            return update_unchecked(updates, state)
+
+    def update_unchecked(updates, state):
         leaves, treedef = jtu.tree_flatten(updates)
         plan = plan_of(updates)
         shards = shard_flags_of(updates)

@@ -14,6 +14,7 @@ from .._base import CompressedArray
 from .._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
+from .._unchecked import unchecked
 from ._apply import is_compressed, reject_compressed
 from ._common import Filter, check_int, filter_flags
 
@@ -125,9 +126,10 @@ def _split_low_rank(grad: LowRank, shape: tuple[int, ...], rank: int, where: str
 
 
 def _rebuild(shape: tuple[int, ...], projector: Array, factor: Array) -> LowRank:
+    # Computed from the gradient: a NaN in it flows on, as in a dense optimiser.
     if _projects_rows(shape):
-        return LowRank(projector, factor)
-    return LowRank(factor, projector)
+        return unchecked(LowRank, left=projector, right=factor)
+    return unchecked(LowRank, left=factor, right=projector)
 
 
 # ---------------------------------------------------------------------------------------
