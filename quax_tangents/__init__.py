@@ -68,6 +68,7 @@ from ._hlo import (
     received_bytes as received_bytes,
 )
 from ._primitives import compress as compress, materialise as materialise
+from ._schedule import Cheapest as Cheapest, schedule_bytes as schedule_bytes
 from ._scatter import TwoPhase as TwoPhase, reduce_scatter as reduce_scatter
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
@@ -82,6 +83,7 @@ __version__ = _metadata.version("quax-tangents")
 __all__ = [
     "all_reduce",
     "apply_tangent_updates",
+    "Cheapest",
     "ChunkCompressor",
     "Collective",
     "collectives",
@@ -124,6 +126,7 @@ __all__ = [
     "received_bytes",
     "reduce_scatter",
     "reset_fallback_counts",
+    "schedule_bytes",
     "sign_norm",
     "SignNorm",
     "Sparse",

@@ -27,6 +27,7 @@ from ._devices import (
     dense_all_reduce,
     gather,
 )
+from ._schedule import Cheapest
 from ._scatter import TwoPhase
 from ._types.lowrank import LowRank
 from ._types.signnorm import SignNorm
@@ -127,7 +128,7 @@ class MajorityVote(eqx.Module):
         return x._with_blocks(bits, norms)
 
 
-Method = GatherSum | PowerSum | MajorityVote | TwoPhase
+Method = GatherSum | PowerSum | MajorityVote | TwoPhase | Cheapest
 
 
 def _wrong_type(method: eqx.Module, x: CompressedArray, cls: type) -> TypeError:
@@ -238,7 +239,11 @@ def all_reduce(
     `quax_tangents.low_rank`. Dense arrays are summed with `lax.psum`. Compressed
     values are summed as `method` says:
 
-    - [`quax_tangents.GatherSum`][] (the default, `None`): exact, by each type's
+    - [`quax_tangents.Cheapest`][] (the default, `None`): per value, whichever of
+        `GatherSum`, `TwoPhase` and the dense ring all-reduce of the materialised
+        value receives the fewest bytes per device at the axis size in use (ties go
+        to `GatherSum`); see `docs/collectives.md` for the crossover.
+    - [`quax_tangents.GatherSum`][]: exact, by each type's
         `all_reduce` (all-gathering the fields); LowRank and Sparse results stay
         compressed, Quantized and SignNorm results are dense sums computed in float32.
     - [`quax_tangents.PowerSum`][]: LowRank only; PowerSGD rounds, approximate,
@@ -263,18 +268,18 @@ def all_reduce(
 
     - `tree`: a pytree of dense arrays and compressed values.
     - `axis_name`: the mesh axis (or tuple of axes) to reduce over.
-    - `method`: how to reduce compressed values; `None` means `GatherSum()`.
+    - `method`: how to reduce compressed values; `None` means `Cheapest()`.
     - `mean`: divide by the number of devices.
 
     **Returns:**
 
     A pytree of the same structure, identical (invariant) on every device.
     """
-    method = GatherSum() if method is None else method
+    method = Cheapest() if method is None else method
     if not callable(getattr(method, "reduce", None)):
         raise TypeError(
-            "`method` must be `GatherSum()`, `PowerSum(...)`, `MajorityVote()` or "
-            "`TwoPhase()` (or "
+            "`method` must be `Cheapest()`, `GatherSum()`, `PowerSum(...)`, "
+            "`MajorityVote()` or `TwoPhase()` (or "
             f"an object with a `reduce(x, axis_name, mean)` method), got {method!r}."
         )
     return jtu.tree_map(

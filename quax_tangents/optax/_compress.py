@@ -13,6 +13,7 @@ from jaxtyping import Array, PyTree
 
 from .._base import ChunkCompressor, CompressedArray
 from .._collective import GatherSum, all_reduce
+from .._schedule import Schedule, cheapest_schedule, dense_sum
 from .._devices import axis_is_bound, axis_size, device_varying
 from .._scatter import (
     chunk_elems,
@@ -45,6 +46,7 @@ from ._errors import (
 
 
 ErrorFeedback = Literal["ef", "ef21"] | None
+ScheduleName = Literal["auto", "gather", "two_phase"]
 
 
 class CompressState(NamedTuple):
@@ -76,7 +78,8 @@ def compress(
     min_compression_rate: float = 2.0,
     filter: Filter = None,
     axis_name: AxisName = None,
-    two_phase: bool = False,
+    schedule: ScheduleName | None = None,
+    two_phase: bool | None = None,
     sharded: bool | PyTree[bool] = False,
     error_dtype: ErrorDtype = None,
 ) -> optax.GradientTransformation:
@@ -101,15 +104,26 @@ def compress(
 
     With `axis_name`, call `update` inside `jax.shard_map`: each device compresses its
     own gradient and only compressed fields cross the wire. How the devices' values
-    are combined:
+    are combined (`schedule`):
 
-    - default: [`quax_tangents.all_reduce`][] with `GatherSum` (an all-gather of the
-        compressed fields, exact): each device receives `n - 1` compressed leaves.
-    - `two_phase=True`: the two-phase all-reduce of [`quax_tangents.TwoPhase`][] for
-        `Quantized`, `SignNorm` and `Sparse` compressors (others use `GatherSum`):
-        each device receives about `2 (n - 1) / n` compressed leaves. With `"ef"`, the
-        error of the first compression is carried per device (`error`, the leaf's
-        size) and that of the second per chunk (`server_error`, `1/n` of the leaf).
+    - `"gather"` (or `two_phase=False`): [`quax_tangents.all_reduce`][] with
+        `GatherSum` (an all-gather of the compressed fields, exact): each device
+        receives `n - 1` compressed leaves.
+    - `"two_phase"` (or `two_phase=True`): the two-phase all-reduce of
+        [`quax_tangents.TwoPhase`][] for `Quantized`, `SignNorm` and `Sparse`
+        compressors (others use `GatherSum`): each device receives about
+        `2 (n - 1) / n` compressed leaves. With `"ef"`, the error of the first
+        compression is carried per device (`error`, the leaf's size) and that of the
+        second per chunk (`server_error`, `1/n` of the leaf).
+    - `"auto"` (the default): per leaf, whichever of the two and the dense ring
+        all-reduce of the compressed leaf's dense value receives the fewest bytes
+        per device at the axis size in use (`quax_tangents.schedule_bytes`; ties
+        go to the gather). The dense all-reduce sums the same compressed values
+        exactly, so it emits what the gather would. With `"ef"` and a compressor
+        that has chunks, the state holds a `server_error` for the two-phase
+        schedule whichever is chosen (its structure may not depend on the device
+        count). With `"ef21"` or `sharded`, the two-phase schedule is not a
+        candidate.
     - `sharded=True` (ZeRO / FSDP style): the parameters (and the states of the
         transformations that follow) are sharded along their first dim over
         `axis_name`. `update` takes each device's gradient of the *whole* parameters
@@ -139,7 +153,10 @@ def compress(
     - `filter`: which leaves may be compressed: `None` (all), a callable from a leaf to
         a bool, or a pytree of bools (the updates' structure or a prefix).
     - `axis_name`: the mesh axis to average over, or `None` on one device.
-    - `two_phase`: combine with the two-phase all-reduce.
+    - `schedule`: `"auto"`, `"gather"` or `"two_phase"`; `None` means `"auto"`,
+        unless `two_phase` says otherwise.
+    - `two_phase`: `True` for `schedule="two_phase"`, `False` for `"gather"`
+        (kept for compatibility).
     - `sharded`: `True`, `False`, or a pytree of bools: the leaves whose parameters
         are sharded along their first dim.
     - `error_dtype`: `None` (the update's dtype) or `"int8"`.
@@ -157,7 +174,14 @@ def compress(
         raise TypeError(f"`compressor` must be callable, got {compressor!r}.")
     rate = check_rate(min_compression_rate)
     error_dtype = check_error_dtype(error_dtype)
+    schedule = _resolve_schedule(schedule, two_phase)
+    two_phase = schedule == "two_phase"
     _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype)
+    # The schedules `"auto"` may choose from.
+    candidates: tuple[Schedule, ...] = ("gather", "dense")
+    if error_feedback != "ef21" and sharded is False:
+        candidates = ("gather", "two_phase", "dense")
+    keeps_server_error = two_phase or (schedule == "auto" and "two_phase" in candidates)
     plan_of = ft.partial(compress_plan, compressor, filter, rate)
     shard_flags_of = ft.partial(_shard_flags, sharded)
 
@@ -193,7 +217,7 @@ def compress(
         error = estimate = aggregate = server_error = None
         if error_feedback == "ef":
             error = treedef.unflatten(fields(plan, whole, zero_error_of))
-            if two_phase:
+            if keeps_server_error and axis_name is not None:
                 server = ft.partial(server_zeros, n=n)
                 server_error = treedef.unflatten(fields(plan, whole, server))
         if error_feedback == "ef21":
@@ -202,9 +226,21 @@ def compress(
                 aggregate = treedef.unflatten(fields(plan, whole, replicated))
         return CompressState(error, estimate, aggregate, server_error)
 
-    def emitted(c: CompressedArray) -> Array:
+    def leaf_schedule(v: Array) -> Schedule:
+        """How this leaf's compressed values are combined over devices."""
+        struct = jax.eval_shape(compressor, jax.ShapeDtypeStruct(v.shape, v.dtype))
+        has_chunks = _chunk_codec(struct) is not None
+        if axis_name is None or schedule == "gather":
+            return "gather"
+        if schedule == "two_phase":
+            return "two_phase" if has_chunks else "gather"
+        return cheapest_schedule(struct, devices(), candidates)
+
+    def emitted(c: CompressedArray, how: Schedule = "gather") -> Array:
         if axis_name is None:
             return c.materialise()
+        if how == "dense":
+            return dense_sum(c, axis_name, mean=True)
         return materialised(all_reduce(c, axis_name, GatherSum(), mean=True))
 
     def combine(v: Array, shard: bool, server_error: Any) -> tuple[Array, Array, Any]:
@@ -213,13 +249,12 @@ def compress(
         if shard:
             out = compressed_reduce_scatter(v, compressor, axis_name, mean=True)
             return out.shard, out.sent, None
-        codec = None
-        if two_phase:
-            struct = jax.ShapeDtypeStruct(v.shape, v.dtype)
-            codec = _chunk_codec(jax.eval_shape(compressor, struct))
-        if codec is None:
+        how = leaf_schedule(v)
+        if how != "two_phase":
             c = compressor(v)
-            return _dense(emitted(c), v), c.materialise(), server_error
+            return _dense(emitted(c, how), v), c.materialise(), server_error
+        struct = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        codec = _chunk_codec(jax.eval_shape(compressor, struct))
         out = two_phase_sum(v, codec, axis_name, mean=True, server_error=server_error)
         return out.total, out.sent, out.server_error
 
@@ -234,7 +269,7 @@ def compress(
             estimate = estimate + c.materialise()
             if axis_name is None:
                 return estimate, (None, estimate, None, None)
-            aggregate = aggregate + emitted(c)
+            aggregate = aggregate + emitted(c, leaf_schedule(g))
             return aggregate, (None, estimate, aggregate, None)
         u, _, _ = combine(g, shard, None)
         return u, (None, None, None, None)
@@ -276,6 +311,24 @@ def compress(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init, update)
+
+
+def _resolve_schedule(schedule: Any, two_phase: Any) -> ScheduleName:
+    if two_phase is not None and not isinstance(two_phase, bool):
+        raise TypeError(f"`two_phase` must be a bool, got {two_phase!r}.")
+    if schedule not in (None, "auto", "gather", "two_phase"):
+        raise ValueError(
+            f"`schedule` must be 'auto', 'gather' or 'two_phase', got {schedule!r}."
+        )
+    if two_phase is None:
+        return "auto" if schedule is None else schedule
+    implied = "two_phase" if two_phase else "gather"
+    if schedule is not None and schedule != implied:
+        raise ValueError(
+            f"`two_phase={two_phase}` asks for schedule {implied!r}, but "
+            f"`schedule={schedule!r}`; pass only `schedule`."
+        )
+    return implied
 
 
 def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> None:
