@@ -89,11 +89,12 @@ def test_gather_sum_equals_compress_then_sum(name):
     out_types = []
 
     def body(x):
-        total = qt.all_reduce(compressor(x[0]), AXIS)
-        mean = qt.all_reduce(compressor(x[0]), AXIS, mean=True)
+        gather = qt.GatherSum()
+        total = qt.all_reduce(compressor(x[0]), AXIS, gather)
+        mean = qt.all_reduce(compressor(x[0]), AXIS, gather, mean=True)
         out_types.append(isinstance(total, _SUM_TYPES[name]))
         # A replicated value is counted once per device, as `lax.psum` counts it.
-        replicated = qt.all_reduce(compressor(jnp.ones((12, 10))), AXIS)
+        replicated = qt.all_reduce(compressor(jnp.ones((12, 10))), AXIS, gather)
         return tuple(qt.materialise(v) for v in (total, mean, replicated))
 
     total, mean, replicated = on_mesh(body, P(AXIS), P())(split(xs))
@@ -110,7 +111,7 @@ def test_gather_sum_without_check_vma():
 
     def body(x):
         return {
-            name: qt.materialise(qt.all_reduce(compressor(x[0]), AXIS))
+            name: qt.materialise(qt.all_reduce(compressor(x[0]), AXIS, qt.GatherSum()))
             for name, compressor in _COMPRESSORS.items()
         }
 
@@ -371,7 +372,9 @@ def test_error_feedback_tracks_the_gradients(name, compressor):
     drift = rng.standard_normal(shape).astype(np.float32)
     grads = drift + rng.standard_normal((steps, DEVICES, *shape)).astype(np.float32)
     params = jnp.zeros(shape)
-    tx = qto.compress(compressor, error_feedback="ef", axis_name=AXIS)
+    tx = qto.compress(
+        compressor, error_feedback="ef", axis_name=AXIS, schedule="gather"
+    )
     updates, state = _run_stream(tx, grads, params)
     applied = np.cumsum(np.asarray(updates), axis=0)
     true = np.cumsum(grads.mean(1), axis=0)
