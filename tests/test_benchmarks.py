@@ -112,3 +112,12 @@ def test_compression_benchmark_quick(tmp_path):
     )
     assert targets == ["met"] * 4, targets
     assert "| holds:" in text and "VIOLATED" not in text
+
+
+def test_schedule_benchmark_quick(tmp_path):
+    # The script exits non-zero when the default receives more bytes than a schedule
+    # it could have chosen, more than dense, or other than predicted.
+    text = _run_quick("bench_schedule.py", tmp_path / "schedule.md")
+    assert "bench_schedule.py --quick --out" in text
+    rows = re.findall(r"^\| [^|]+ \| [248] \|.*\| (\S+) \|$", text, re.M)
+    assert rows == ["ok"] * 15, rows
