@@ -28,6 +28,7 @@ from ._devices import AxisName, axis_size, dense_all_reduce
 from ._fallback import record_densification
 from ._scatter import TwoPhase, chunk_elems
 from ._types.lowrank import LowRank
+from ._types.rows import SparseRows
 from ._types.sparse import Sparse
 
 
@@ -75,20 +76,29 @@ def schedule_bytes(x: CompressedArray, devices: int) -> dict[str, float]:
     return out
 
 
+def _gathers(x: CompressedArray) -> bool:
+    """Whether the type's `all_reduce` is its own (the library's all-gather the
+    fields), not the protocol's default, which materialises and runs `lax.psum`."""
+    return type(x).all_reduce is not CompressedArray.all_reduce
+
+
 def cheapest_schedule(
     x: CompressedArray, devices: int, allowed: tuple[Schedule, ...] = _PREFERENCE
 ) -> Schedule:
     """The schedule among `allowed` that receives the fewest bytes (ties: the first
-    of gather, two-phase, dense)."""
+    of gather, two-phase, dense). A type without its own `all_reduce` sums densely
+    by that default, so "gather" is no candidate for it."""
     costs = schedule_bytes(x, devices)
     options = [s for s in _PREFERENCE if s in allowed and s in costs]
+    if not _gathers(x):
+        options = [s for s in options if s != "gather"]
     return min(options, key=lambda s: (costs[s], options.index(s)))
 
 
 def _keeps_compressed(x: CompressedArray) -> bool:
     """Whether the gathered sum of `x` is itself compressed (so that a dense result
     is a densification)."""
-    return isinstance(x, (LowRank, Sparse))
+    return isinstance(x, (LowRank, Sparse, SparseRows))
 
 
 def dense_sum(x: CompressedArray, axis_name: AxisName, mean: bool) -> Array:
@@ -122,6 +132,8 @@ class Cheapest(eqx.Module):
         schedule = cheapest_schedule(x, axis_size(axis_name))
         if schedule == "two_phase":
             return TwoPhase().reduce(x, axis_name, mean)
+        if schedule == "dense" and not _gathers(x):
+            return x.all_reduce(axis_name, mean=mean)  # counted by the default
         if schedule == "dense":
             if _keeps_compressed(x):
                 record_densification(

@@ -10,6 +10,7 @@ devices use the first devices of the 8.
 import functools as ft
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -95,6 +96,29 @@ def test_the_dense_all_reduce_when_no_compressed_schedule_is_cheaper():
     low_rank = qt.low_rank(jnp.ones(_SHAPE), 4)
     assert cheapest_schedule(low_rank, 8) == "gather"
     assert cheapest_schedule(low_rank, 64) == "dense"
+
+
+class _Halves(qt.CompressedArray):
+    """A type of the protocol without its own `all_reduce` (nor chunks): half of
+    each row stored."""
+
+    half: jax.Array
+
+    def aval(self):
+        rows, cols = self.half.shape
+        return jax.core.ShapedArray((rows, 2 * cols), self.half.dtype)
+
+    def materialise(self):
+        return jnp.concatenate([self.half, self.half], axis=1)
+
+
+def test_a_type_without_its_own_all_reduce_is_never_gathered():
+    # Its `all_reduce` materialises (counted) and runs `lax.psum`: receiving
+    # `(n - 1)` compressed values is not what it would do.
+    x = _Halves(jnp.ones((4, 2)))
+    assert qt.schedule_bytes(x, 2)["gather"] < qt.schedule_bytes(x, 2)["dense"]
+    for n in (2, 8):
+        assert cheapest_schedule(x, n) == "dense"
 
 
 def test_compress_schedule_arguments():
