@@ -151,7 +151,9 @@ def run_page(path: pathlib.Path) -> list[Outcome]:
     filename = str(path.relative_to(ROOT))
     if not needs_fresh_process(blocks):
         return run_blocks(blocks, filename)
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     with tempfile.TemporaryDirectory() as folder:
         out = pathlib.Path(folder) / "outcomes.json"
