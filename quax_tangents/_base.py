@@ -41,8 +41,8 @@ class CompressedArray(quax.ArrayValue):
     - `all_reduce(axis_name, mean=)`: the exact sum (or mean) over devices inside
         `shard_map`, moving only compressed fields where the type can.
     - `chunk_compressor()`: how this type compresses one flat (1-D) chunk of an
-        array with its own settings, for the two-phase all-reduce and
-        `reduce_scatter`; `None` where it has no such form.
+        array with its own settings, for the two-phase all-reduce (`TwoPhase`);
+        `None` where it has no such form.
     - `inner(other)`: `sum(conj(self) * other)`.
 
     Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,
