@@ -453,3 +453,25 @@ def test_broadcasting_add_keeps_factors_where_a_lowrank_result_exists():
         out = quax.quaxify(jax.lax.add)(a, b)
     assert isinstance(out, qt.LowRank) and out.shape == (30, 40) and out.rank == 2
     assert_close(out, a.materialise() + b.materialise())
+
+
+def test_one_sided_broadcasting_jvp_is_dense_unless_broadcast_first():
+    """JAX's JVP of `x + y`, `x` of shape (3, 1) and the only one differentiated,
+    squeezes the tangent to a (3,) vector (dense, and not counted: a vector) and
+    broadcasts that vector outside any rule. Broadcasting `x` first keeps the factors
+    (`broadcast_in_dim`), as docs/types/lowrank.md advises."""
+    x, y = random_array(0, (3, 1)), random_array(1, (3, 4))
+    t = qt.LowRank(random_array(2, (3, 2)), random_array(3, (1, 2)))
+    expected = jax.jvp(jax.lax.add, (x, y), (t.materialise(), jnp.zeros_like(y)))[1]
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        _, implicit = qt.jvp(jax.lax.add, (x, y), (t, None))
+    assert not isinstance(implicit, qt.CompressedArray)
+    assert qt.fallback_counts() == {}
+    assert_close(implicit, expected)
+    with qt.fallback("error"):
+        _, explicit = qt.jvp(
+            lambda u, v: jnp.broadcast_to(u, v.shape) + v, (x, y), (t, None)
+        )
+    assert isinstance(explicit, qt.LowRank)
+    assert_close(explicit, expected)
