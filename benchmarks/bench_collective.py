@@ -553,7 +553,9 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The description is the docstring's first paragraph: its first sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument(
         "--out",

@@ -392,25 +392,44 @@ def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    # The description is the docstring's first paragraph: its first sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
-        "--quick", action="store_true", help="a small network and a few steps"
+        "--quick",
+        action="store_true",
+        help="a small network (64 -> 64 -> 10) for 20 steps, written to "
+        "examples/results/quick/ (git-ignored)",
     )
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps of every method (default: 300, or 20 with --quick)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial weights and the batch order (the train/test split "
+        "is fixed; default: 0)",
+    )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         help="Markdown table to write; the plot goes next to it as .png (default: "
-        f"{DEFAULT_OUT}, or {QUICK_OUT} with --quick)",
+        "examples/results/data_parallel.md, or "
+        "examples/results/quick/data_parallel.md with --quick)",
     )
     parser.add_argument(
         "--methods",
         default=None,
         help="comma-separated subset of the methods to run (default: all)",
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar while training"
+    )
     parser.add_argument(
         "--save-params",
         type=pathlib.Path,
@@ -441,6 +460,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=3600.0,
         help="seconds before the processes started here are stopped",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.devices < 1 or args.processes < 1:
         parser.error("--devices and --processes must be at least 1")

@@ -207,7 +207,9 @@ def main(steps: int = 30, learning_rate: float = 0.5, seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The description is the docstring's first paragraph: its first sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=30, help="SGD steps first")
     parser.add_argument("--learning-rate", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)

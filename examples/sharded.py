@@ -6,8 +6,10 @@ Run it with
     python examples/sharded.py
 
 (five to twenty minutes on two shared CPU cores for three seeds; `--quick` runs a small
-network for a few steps and writes to a temporary folder). Every parameter (except the last bias, whose 10
-entries do not split over 8 devices) is sharded along its first dim: each device
+network for a few steps and writes to `examples/results/quick/`, which git ignores, so
+a smoke run never replaces a full run's results). Every parameter (except the last
+bias, whose 10 entries do not split over 8 devices) is sharded along its first dim:
+each device
 stores `1/8` of it, and `1/8` of Adam's moments. Each step all-gathers the
 parameters, computes the device's gradient of the whole parameters on its slice of
 the batch, and reduces the gradients into the shards with one of:
@@ -42,7 +44,6 @@ import functools as ft
 import pathlib
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -62,6 +63,7 @@ import quax_tangents.optax as qto
 AXIS = "data"
 DEVICES = 8
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results" / "sharded.md"
+QUICK_OUT = DEFAULT_OUT.parent / "quick" / DEFAULT_OUT.name
 
 
 # ---------------------------------------------------------------------------------
@@ -367,24 +369,38 @@ def report(results, config, seeds, command, elapsed) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = build_parser().parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The description is the docstring's first paragraph: its first sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a small network for a few steps, written to a temporary folder",
+        help="a small network for a few steps, one seed, written to "
+        "examples/results/quick/ (git-ignored)",
     )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=None,
-        help="Markdown report (default: examples/results/sharded.md, or a temporary "
-        "folder with --quick); the plot goes next to it as .png",
+        help="Markdown report to write; the plot goes next to it as .png (default: "
+        "examples/results/sharded.md, or examples/results/quick/sharded.md with "
+        "--quick)",
     )
     parser.add_argument(
-        "--methods", default=None, help="comma-separated subset (default: all)"
+        "--methods",
+        default=None,
+        help="comma-separated subset of the methods to run, besides dense (default: "
+        "all)",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
@@ -393,11 +409,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.quick:
         config = Config(sizes=(64, 64, 10), steps=20, steps_per_call=10)
         seeds = (0,)
-        out = args.out or pathlib.Path(tempfile.mkdtemp()) / "sharded.md"
     else:
         config = Config()
         seeds = tuple(int(s) for s in args.seeds.split(","))
-        out = args.out or DEFAULT_OUT
+    out = args.out
     mesh = make_mesh()
     data = load_data()
     flags = sharded_flags(init_mlp(np.random.default_rng(0), config.sizes))

@@ -350,11 +350,35 @@ def _value_and_grad(
 def grad(
     fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False
 ) -> Callable:
-    """Like `jax.grad`; see `value_and_grad`.
+    """Like `jax.grad`, with gradients that come back compressed where marked.
+
+    The gradient of an argument is compressed where a mark on the way makes it so
+    (`compress_cotangent`, `factored_matmul`, `projected_cotangent`,
+    `factored_cotangent`, `sparse_rows_cotangent`, or a rule of a compressed type),
+    and dense elsewhere. Under plain `jax.grad` the same function gives the same
+    numbers as dense arrays.
+
+    **Arguments:**
+
+    - `fn`: a function whose output is a real (floating) scalar; with
+        `has_aux=True`, a pair of that scalar and any auxiliary output. It may be a
+        `functools.partial`, `jax.tree_util.Partial`, `equinox.Partial`, a bound
+        method or an `equinox.Module`; quax values it holds enter the trace as pytree
+        leaves. A plain closure that captures a quax value is a `TypeError`.
+    - `argnums`: which positional arguments to differentiate: an `int` (default 0)
+        or a sequence of `int`s. A differentiated argument is a pytree of floating
+        arrays (an integer leaf is a `TypeError` naming it), or an instance of a
+        `@differentiable` class, differentiated through its `Tangent` view.
+    - `has_aux`: `fn` returns `(output, aux)`; `aux` is returned unchanged and not
+        differentiated.
 
     **Returns:**
 
-    A function returning the gradients (and aux, with `has_aux=True`).
+    A function taking the arguments of `fn` and returning the gradients: for an
+    `int` `argnums`, the gradient of that argument, of its structure (a `Tangent`
+    for a `@differentiable` class); for a sequence, a tuple with one per entry. With
+    `has_aux=True` it returns `(gradients, aux)`. An output that is not a real scalar
+    is a `TypeError` that points to `vjp`.
     """
     value_and_grad_fn = _value_and_grad(fn, argnums, has_aux, "grad")
 

@@ -40,11 +40,9 @@ class CompressedArray(quax.ArrayValue):
         the carry that entered the body (`lax.scan`, `lax.while_loop`).
     - `all_reduce(axis_name, mean=)`: the exact sum (or mean) over devices inside
         `shard_map`, moving only compressed fields where the type can.
-    - `chunk_compressor()`: how this type compresses one 1-D chunk of an array with
-        the same settings, for the two-phase all-reduce; `None` where it has no
-        such form.
-    - `chunk_compressor()`: how a flat chunk is compressed with the type's own
-        settings, for the two-phase all-reduce and `reduce_scatter`.
+    - `chunk_compressor()`: how this type compresses one flat (1-D) chunk of an
+        array with its own settings, for the two-phase all-reduce (`TwoPhase`);
+        `None` where it has no such form.
     - `inner(other)`: `sum(conj(self) * other)`.
 
     Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,

@@ -7,6 +7,8 @@ import pathlib
 import re
 import sys
 
+import pytest
+
 from tests.helpers.scripts import run_script
 
 
@@ -88,6 +90,8 @@ def test_committed_jvp_verdicts_follow_their_values():
         assert verdict == ("met" if value <= limit else "MISSED"), (value, limit)
 
 
+# About 45 s of CPU time (8 host devices), a minute on two cores.
+@pytest.mark.slow
 def test_collective_benchmark_quick(tmp_path):
     text = _run_quick("bench_collective.py", tmp_path / "collective.md")
     assert "bench_collective.py --quick --out" in text and "| powersgd-r4 |" in text

@@ -48,6 +48,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 needs_devices = needs_devices_for("test_multi_device_tests_in_a_fresh_process")
 
 
+# Every multi-device test of this file in one process: about 50 s of CPU time, a
+# minute or more on two cores.
+@pytest.mark.slow
 @pytest.mark.skipif(enough_devices(), reason="this process has the devices")
 def test_multi_device_tests_in_a_fresh_process():
     run_tests_in_fresh_process(__file__, "not example and not fresh_process")

@@ -87,3 +87,55 @@ def test_examples_extra_provides_every_import(folder):
             if not names & provided:
                 missing[f"{path.name}: {module}"] = sorted(names) or "not installed"
     assert not missing, missing
+
+
+_HELP_FACTS = """
+import json, sys
+
+sys.path.insert(0, "examples")
+import data_parallel, sharded
+
+facts = {}
+for module in (data_parallel, sharded):
+    parser = module.build_parser()
+    facts[module.__name__] = {
+        "docstring": module.__doc__,
+        "description": parser.description,
+        "helps": {
+            action.option_strings[-1]: action.help
+            for action in parser._actions
+            if action.option_strings
+        },
+        "quick_out": str(module.parse_args(["--quick"]).out),
+        "quick": str(module.QUICK_OUT),
+    }
+print(json.dumps(facts))
+"""
+
+
+def test_multi_device_examples_explain_every_option_and_write_quick_runs_aside():
+    # A subprocess: importing them sets XLA_FLAGS for 8 host devices.
+    import json
+    import os
+    import subprocess
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", _HELP_FACTS],
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for name, facts in json.loads(result.stdout.splitlines()[-1]).items():
+        # The whole first paragraph of the docstring: a sentence, not half of one.
+        first_paragraph = " ".join(facts["docstring"].split("\n\n")[0].split())
+        assert facts["description"] == first_paragraph, name
+        assert facts["description"].endswith("."), name
+        missing = [option for option, text in facts["helps"].items() if not text]
+        assert not missing, f"{name}: options without help: {missing}"
+        # A smoke run writes to the git-ignored quick folder.
+        quick = EXAMPLES / "results" / "quick" / f"{name}.md"
+        assert pathlib.Path(facts["quick_out"]) == pathlib.Path(facts["quick"]) == quick

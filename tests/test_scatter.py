@@ -399,17 +399,21 @@ def test_partition_specs_shard_the_states_that_mirror_sharded_params():
 # The example
 
 
-def test_sharded_example_quick(tmp_path):
+def test_sharded_example_quick():
+    # As a user runs it, with no `--out`: like the other examples, the smoke run
+    # writes to the git-ignored examples/results/quick/, never over the committed
+    # results of the full run.
     pytest.importorskip("sklearn", reason="the examples need the `examples` extra")
-    out = tmp_path / "sharded.md"
-    run_script(
-        ROOT / "examples" / "sharded.py",
-        "--quick",
-        "--methods",
-        "int8-ef",
-        "--out",
-        str(out),
+    results = ROOT / "examples" / "results"
+    committed = [results / f"sharded.{ext}" for ext in ("md", "png")]
+    before = [path.read_bytes() for path in committed]
+    out = results / "quick" / "sharded.md"
+    out.unlink(missing_ok=True)
+    result = run_script(
+        ROOT / "examples" / "sharded.py", "--quick", "--methods", "int8-ef"
     )
+    assert [path.read_bytes() for path in committed] == before
+    assert f"wrote {out} and {out.with_suffix('.png')}" in result.stdout
     text = out.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
     rows = {

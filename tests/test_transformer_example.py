@@ -15,6 +15,9 @@ ARMS = ("adam", "galore", "projected", "projected + sparse rows")
 
 pytest.importorskip("matplotlib", reason="the examples need the `examples` extra")
 pytest.importorskip("tqdm", reason="the examples need the `examples` extra")
+# The module's fixture trains the example's four arms in its quick mode: about 50 s of
+# CPU time, a minute on two cores.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from .._fallback import (
     is_vector_shape,
     record_budget_event,
     record_dense_result,
-    record_densification,
 )
 from .._lax import add_any_p
 from .._registry import rule
@@ -368,10 +367,16 @@ def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
 
 @rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
 def _plus_dense(x: LowRank, y: ArrayLike, *, primitive: Any) -> Array:
-    if x.shape != jnp.shape(y) or x.dtype != jnp.result_type(y):
-        return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
-    record_densification(primitive.name, ("LowRank",), "a sum with a dense array")
-    return jnp.asarray(y) + x.materialise()
+    """A LowRank plus a dense array is dense, by design. `lax.add` broadcasts size-1
+    dims of either operand: the LowRank's are broadcast in its factors, and the sum
+    is recorded as a densification unless it is a vector (`record_dense_result`)."""
+    y = jnp.asarray(y)
+    if x.dtype != y.dtype or x.ndim != y.ndim:
+        return densify(primitive, [x, y], {}, reason="dtypes or ranks differ")
+    shape = jnp.broadcast_shapes(x.shape, y.shape)
+    record_dense_result(primitive.name, ("LowRank",), shape, "a sum with a dense array")
+    left, right = _broadcast_factors(x, shape)
+    return y + jnp.matmul(left, jnp.swapaxes(right, -1, -2))
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import quax
 from hypothesis import given, strategies as st
 
 import quax_tangents as qt
+from quax_tangents._fallback import is_vector_shape
 from quax_tangents._lax import add_any_p
-from tests.helpers import assert_close, random_array, seeds
+from tests.helpers import assert_close, float_dtypes, random_array, seeds
 from tests.helpers.lowrank import lowrank_values
 from tests.helpers.values import compressed
 
@@ -369,3 +370,108 @@ def test_a_vector_result_is_not_counted_and_a_matrix_is():
         matrix = quax.quaxify(lambda a: jnp.sum(a, axis=1))(batched)
         assert matrix.shape == (2, 4)
         assert qt.fallback_counts() == {("reduce_sum", "LowRank"): 1}
+
+
+# ---------------------------------------------------------------------------------------
+# Broadcasting sums: size-1 dims of either operand
+
+
+@st.composite
+def _broadcasting_sums(draw):
+    """`op(a, b)` where each operand has, per dim, the full size or 1 (as `lax.add`
+    broadcasts), at least one is LowRank, and both share a dtype."""
+    dtype = draw(float_dtypes())
+    batch = draw(st.sampled_from([(), (2,)]))
+    full = (*batch, draw(st.integers(1, 9)), draw(st.integers(1, 9)))
+    kinds = draw(
+        st.sampled_from(
+            [("LowRank", "LowRank"), ("LowRank", "dense"), ("dense", "LowRank")]
+        )
+    )
+    operands = []
+    for kind in kinds:
+        shape = tuple(draw(st.sampled_from([d, 1])) for d in full)
+        if kind == "LowRank":
+            rank = draw(st.integers(1, 2))
+            operands.append(draw(lowrank_values(shape, dtype, rank)))
+        else:
+            operands.append(random_array(draw(seeds()), shape, dtype))
+    op = draw(st.sampled_from([jax.lax.add, jax.lax.sub]))
+    return op, tuple(operands), dtype
+
+
+def _stays_within_budget(a: qt.LowRank, b: qt.LowRank, shape) -> bool:
+    m, n = shape[-2:]
+    return (a.rank + b.rank) * (m + n) < m * n
+
+
+@given(_broadcasting_sums())
+def test_broadcasting_sums_match_dense_and_count_every_dense_matrix(case):
+    """Against the dense computation: a LowRank result where the broadcast factors
+    give one within the rank budget; otherwise a dense result, counted unless it is a
+    vector (the policy of `_fallback.record_dense_result`). A LowRank minus a dense
+    array has no rule of its own: the default rule counts it whatever its shape."""
+    op, (a, b), dtype = case
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(op)(a, b)
+    expected = op(qt.materialise(a), qt.materialise(b))
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert_close(out, expected, dtype, factor=4.0)
+    both = isinstance(a, qt.LowRank) and isinstance(b, qt.LowRank)
+    if both and _stays_within_budget(a, b, expected.shape):
+        assert isinstance(out, qt.LowRank)
+        assert qt.fallback_counts() == {}
+        return
+    assert not isinstance(out, qt.CompressedArray)
+    by_default_rule = not both and op is jax.lax.sub
+    counted = by_default_rule or not is_vector_shape(expected.shape)
+    name = op.__name__
+    assert qt.fallback_counts() == ({(name, "LowRank"): 1} if counted else {})
+
+
+@pytest.mark.parametrize(
+    "shapes", [((3, 1), (3, 4)), ((3, 4), (1, 4)), ((3, 1), (1, 4))]
+)
+def test_broadcasting_add_of_a_unit_dim_lowrank_is_counted(shapes):
+    """A LowRank with a unit dim against a full (3, 4) operand: a dense (3, 4)
+    result, computed from the broadcast factors and counted."""
+    a, b = (compressed("LowRank", s, 3 * i) for i, s in enumerate(shapes))
+    if shapes[1] == (3, 4):
+        b = random_array(9, (3, 4))
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = quax.quaxify(jax.lax.add)(a, b)
+    assert_close(out, qt.materialise(a) + qt.materialise(b))
+    assert qt.fallback_counts() == {("add", "LowRank"): 1}
+
+
+def test_broadcasting_add_keeps_factors_where_a_lowrank_result_exists():
+    a = qt.LowRank(random_array(0, (30, 1)), random_array(1, (1, 1)))
+    b = qt.LowRank(random_array(2, (1, 1)), random_array(3, (40, 1)))
+    with qt.fallback("error"):
+        out = quax.quaxify(jax.lax.add)(a, b)
+    assert isinstance(out, qt.LowRank) and out.shape == (30, 40) and out.rank == 2
+    assert_close(out, a.materialise() + b.materialise())
+
+
+def test_one_sided_broadcasting_jvp_is_dense_unless_broadcast_first():
+    """JAX's JVP of `x + y`, `x` of shape (3, 1) and the only one differentiated,
+    squeezes the tangent to a (3,) vector (dense, and not counted: a vector) and
+    broadcasts that vector outside any rule. Broadcasting `x` first keeps the factors
+    (`broadcast_in_dim`), as docs/types/lowrank.md advises."""
+    x, y = random_array(0, (3, 1)), random_array(1, (3, 4))
+    t = qt.LowRank(random_array(2, (3, 2)), random_array(3, (1, 2)))
+    expected = jax.jvp(jax.lax.add, (x, y), (t.materialise(), jnp.zeros_like(y)))[1]
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        _, implicit = qt.jvp(jax.lax.add, (x, y), (t, None))
+    assert not isinstance(implicit, qt.CompressedArray)
+    assert qt.fallback_counts() == {}
+    assert_close(implicit, expected)
+    with qt.fallback("error"):
+        _, explicit = qt.jvp(
+            lambda u, v: jnp.broadcast_to(u, v.shape) + v, (x, y), (t, None)
+        )
+    assert isinstance(explicit, qt.LowRank)
+    assert_close(explicit, expected)

@@ -1,0 +1,106 @@
+"""Every Python code block of the documentation (`docs/**/*.md` and README.md) runs as
+shown and prints what the page shows.
+
+Conventions (stated for writers in `docs/index.md`; implemented in
+`tests/helpers/docs.py`):
+
+- the ```` ```python ```` blocks of a page run in page order, in one namespace per
+  page, from the repository root;
+- a ```` ```text ```` block right after a Python block (only blank lines between) is
+  that block's printed output, compared line by line, trailing whitespace ignored;
+- `<!-- skip -->` on the line before a fence marks a block that cannot run as shown
+  (the page says why);
+- a page whose code sets `XLA_FLAGS` (simulated host devices) runs in a fresh Python
+  process, since JAX reads the flags only when it starts.
+"""
+
+import difflib
+import pathlib
+import textwrap
+
+import pytest
+
+from .helpers.docs import ROOT, normalise, read_blocks, run_page
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES_WITH_CODE = [page for page in PAGES if read_blocks(page)]
+
+
+def _name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
+def test_page_runs_and_prints_what_it_shows(page):
+    blocks = [block for block in read_blocks(page) if not block.skip]
+    outcomes = run_page(page)
+    problems = []
+    for block, outcome in zip(blocks, outcomes):
+        where = f"{_name(page)}:{block.line}"
+        if outcome.error is not None:
+            problems.append(f"{where} raised:\n{outcome.error}")
+        elif block.expected is not None:
+            expected, printed = normalise(block.expected), normalise(outcome.printed)
+            if expected != printed:
+                diff = difflib.unified_diff(
+                    expected.splitlines(),
+                    printed.splitlines(),
+                    "shown on the page",
+                    "printed",
+                    lineterm="",
+                )
+                problems.append(f"{where} printed something else:\n" + "\n".join(diff))
+    assert not problems, "\n\n".join(problems)
+    assert len(outcomes) == len(blocks)
+
+
+def test_the_docs_have_code_to_run():
+    # Guards against a parser change that silently finds nothing.
+    assert len(PAGES_WITH_CODE) >= 10
+    assert sum(len(read_blocks(page)) for page in PAGES_WITH_CODE) >= 50
+
+
+def test_block_conventions(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        textwrap.dedent(
+            """\
+            # A page
+
+            ```python
+            x = 1
+            print(x + 1)
+            ```
+
+            ```text
+            2
+            ```
+
+            Prose, then a text block that is not output:
+
+            ```text
+            a formula
+            ```
+
+            <!-- skip -->
+
+            ```python
+            raise RuntimeError("not run")
+            ```
+
+            - In a list:
+
+                ```python
+                print(x)
+                ```
+            """
+        )
+    )
+    blocks = read_blocks(page)
+    assert [(b.line, b.expected, b.skip) for b in blocks] == [
+        (3, "2", False),
+        (20, None, True),
+        (26, None, False),
+    ]
+    assert blocks[2].code.strip() == "print(x)"
