@@ -1,0 +1,78 @@
+"""The guard leaf that keeps leafwise code from misreading a compressed value.
+
+A compressed value is an equinox Module, so a pytree: code that maps a function over
+array leaves (every optax transformation, `optax.apply_updates`'s callers,
+`jax.tree.map(lambda g: -lr * g, grads)`) reaches its fields, not the array it
+represents. Scaling both factors of a `LowRank` squares the scale; adding the fields
+of two values is not the sum of the arrays. Such code would run and give a wrong
+answer.
+
+So every compressed value carries one more leaf, the guard: an array of JAX's
+extended "key" kind, of a key implementation of our own whose tag is the message
+below. It holds no data (its key shape is `(0,)`, so it stores zero bytes) and has
+the value's batch shape, so `vmap`, `scan`, `cond` and `jit` stack, slice, select
+and pass it as they do the fields. JAX refuses arithmetic, comparisons, reductions
+and casts on key arrays at trace time, in the operation that tries, with an error
+that names the dtype: `multiply does not accept dtypes key<...>, float32`, where
+`...` is the message. The leafwise map fails where it is written, eagerly and under
+`jit` alike, and the error says what to use instead. Nothing is checked anywhere
+else: no cost on the hot path.
+
+What leafwise code can still do to a value without arithmetic (select between two
+whole values, slice batch dims, make zeros of it, pass it through) leaves a correct
+value.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import random as jex_random
+
+
+GUARD_MESSAGE = (
+    "a compressed value (quax_tangents), whose fields leafwise code must not "
+    "transform: use quax_tangents.optax.lift(tx) for any optax transformation, "
+    "quax_tangents.optax.projected(..., learning_rate=...) for projected gradients, "
+    "quax_tangents.optax.accumulate_gradients for microbatches, "
+    "quax_tangents.optax.apply_updates to apply updates, or "
+    "quax_tangents.materialise for the dense array"
+)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    del args, kwargs
+    raise TypeError(
+        "The guard leaf of a compressed value is not a random key; do not pass it to "
+        "`jax.random`."
+    )
+
+
+_GUARD_IMPL = jex_random.define_prng_impl(
+    key_shape=(0,),
+    seed=lambda seed: jnp.zeros((0,), jnp.uint32),
+    split=_refuse,
+    random_bits=_refuse,
+    fold_in=_refuse,
+    name="quax_tangents.guard",
+    tag=GUARD_MESSAGE,
+)
+
+
+@functools.cache
+def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
+    """The guard leaf of a value with these batch dims: a concrete, zero-byte key
+    array, made once per shape (a constant under a trace)."""
+    with jax.ensure_compile_time_eval():
+        data = np.zeros((*batch_shape, 0), np.uint32)
+        return jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
+
+
+GUARD_DTYPE = guard(()).dtype
+
+
+def is_guard(x: Any) -> bool:
+    """Whether `x` (an array, a tracer or a `jax.ShapeDtypeStruct`) is a guard."""
+    return getattr(x, "dtype", None) == GUARD_DTYPE
