@@ -18,12 +18,22 @@ that names the dtype: `multiply does not accept dtypes key<...>, float32`, where
 `jit` alike, and the error says what to use instead. Nothing is checked anywhere
 else: no cost on the hot path.
 
+The guard's shape is the value's batch shape followed by `(1, 1)`, so that code that
+only transforms leaves of at least two dims (`optax.centralize`) reaches it too.
+
 What leafwise code can still do to a value without arithmetic (select between two
 whole values, slice batch dims, make zeros of it, pass it through) leaves a correct
 value.
+
+One gap is closed by hand: a *concrete* key array (outside `jit`) answers the array
+methods it lacks (`x.real`, `x.conj()`, `x.sum()`, ...) with JAX's bare
+"Cannot call abstract method real". `_explain_key_methods` wraps those methods so
+that, for a guard only, the error carries the message; every other key array gets
+JAX's own error unchanged.
 """
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -64,9 +74,10 @@ _GUARD_IMPL = jex_random.define_prng_impl(
 @functools.cache
 def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
     """The guard leaf of a value with these batch dims: a concrete, zero-byte key
-    array, made once per shape (a constant under a trace)."""
+    array of shape `(*batch_shape, 1, 1)`, made once per shape (a constant under a
+    trace)."""
     with jax.ensure_compile_time_eval():
-        data = np.zeros((*batch_shape, 0), np.uint32)
+        data = np.zeros((*batch_shape, 1, 1, 0), np.uint32)
         return jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
 
 
@@ -76,3 +87,29 @@ GUARD_DTYPE = guard(()).dtype
 def is_guard(x: Any) -> bool:
     """Whether `x` (an array, a tracer or a `jax.ShapeDtypeStruct`) is a guard."""
     return getattr(x, "dtype", None) == GUARD_DTYPE
+
+
+def _explaining(name: str, original: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_guard(self):
+            raise TypeError(f"`{name}` does not accept dtype {GUARD_DTYPE}.")
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _explain_key_methods() -> None:
+    key_array = type(guard(()))
+    for name in dir(key_array):
+        if name.startswith("_"):
+            continue
+        attribute = inspect.getattr_static(key_array, name)
+        is_property = isinstance(attribute, property)
+        function = attribute.fget if is_property else attribute
+        if not getattr(function, "__isabstractmethod__", False):
+            continue
+        wrapped = _explaining(name, function)
+        setattr(key_array, name, property(wrapped) if is_property else wrapped)
+
+
+_explain_key_methods()
