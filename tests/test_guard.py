@@ -120,3 +120,26 @@ def test_selecting_or_zeroing_whole_values_stays_correct():
     assert_close(picked, b.materialise())
     zeros = jax.tree.map(jnp.zeros_like, a)
     assert_close(zeros, np.zeros((6, 4)))
+
+
+def test_lax_psum_of_a_value_outside_quax_names_the_fix():
+    # `psum` flattens the value and would sum the factors separately (the sum of the
+    # left factors times the sum of the right ones); the guard refuses the sum.
+    stacked = jax.vmap(lambda s: compressed("LowRank", (6, 4), 0) * s)(
+        jnp.arange(1.0, 3.0)
+    )
+    with pytest.raises(TypeError, match=FIX):
+        jax.vmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(stacked)
+
+
+def test_filtering_by_dtype_drops_the_guard():
+    # The guard is not a floating array: a filter for floating leaves (as
+    # `eqx.filter(grads, eqx.is_inexact_array)`) drops it, and leafwise arithmetic
+    # on what is left is no longer refused. The sharp bits say so.
+    import equinox as eqx
+
+    value = compressed("LowRank", (6, 4))
+    filtered = eqx.filter(value, eqx.is_inexact_array)
+    scaled = jax.tree.map(lambda leaf: -0.1 * leaf, filtered)
+    wrong = scaled.left @ scaled.right.T
+    assert_close(wrong, 0.01 * value.materialise())
