@@ -60,9 +60,15 @@ def _refuse(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+def _seed(seed: Any) -> jax.Array:
+    del seed
+    return jnp.zeros((0,), jnp.uint32)
+
+
+# Module-level functions only, so that a value (its guard's dtype) pickles.
 _GUARD_IMPL = jex_random.define_prng_impl(
     key_shape=(0,),
-    seed=lambda seed: jnp.zeros((0,), jnp.uint32),
+    seed=_seed,
     split=_refuse,
     random_bits=_refuse,
     fold_in=_refuse,

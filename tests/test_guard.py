@@ -143,3 +143,12 @@ def test_filtering_by_dtype_drops_the_guard():
     scaled = jax.tree.map(lambda leaf: -0.1 * leaf, filtered)
     wrong = scaled.left @ scaled.right.T
     assert_close(wrong, 0.01 * value.materialise())
+
+
+def test_values_pickle_with_their_guard():
+    import pickle
+
+    value = compressed("Quantized", (6, 4))
+    restored = pickle.loads(pickle.dumps(value))
+    assert len(_guards(restored)) == 1
+    assert_close(restored, value.materialise())
