@@ -292,7 +292,17 @@ class CompressedArray(quax.ArrayValue, metaclass=_CompressedMeta):
 def install_guard(value: CompressedArray) -> None:
     """Sets the guard leaf of a value built without one (by its constructor, or by
     `unchecked` in a rule), with the value's batch shape."""
-    batch_shape = tuple(value.shape[: value.batch_ndim])
+    batch_ndim = value.batch_ndim
+    batch_shape: tuple[int, ...] = ()
+    if batch_ndim:
+        # Every array field leads with the batch dims. Read them from a field, not
+        # from `value.shape`, which builds the aval (slow on the eager hot path).
+        field = next(
+            x
+            for name, x in vars(value).items()
+            if name != "_guard" and isinstance(x, jax.Array) and x.ndim >= batch_ndim
+        )
+        batch_shape = tuple(field.shape[:batch_ndim])
     object.__setattr__(value, "_guard", guard(batch_shape))
 
 
