@@ -18,11 +18,20 @@ from quax.examples.zero import Zero
 
 from ._devices import dense_all_reduce
 from ._fallback import record_densification
+from ._guard import GUARD_MESSAGE, guard, is_guard
 from ._lax import add_any_p
 from ._registry import rule
 
 
-class CompressedArray(quax.ArrayValue):
+class _CompressedMeta(type(quax.ArrayValue)):
+    # JAX's pytree-structure errors name a node by its class's repr ("the full pytree
+    # has a subtree of type <class ...>"): where generic code meets a compressed value
+    # that way, the error then says what to use instead.
+    def __repr__(cls) -> str:
+        return f"<class '{cls.__module__}.{cls.__qualname__}', {GUARD_MESSAGE}>"
+
+
+class CompressedArray(quax.ArrayValue, metaclass=_CompressedMeta):
     """Abstract base of every compressed representation, and the protocol each one
     implements.
 
@@ -48,7 +57,24 @@ class CompressedArray(quax.ArrayValue):
     Compressed values also support Python's operators (`t + t`, `2 * t`, `x @ t`,
     `t.T`, `t[0]`), which run through the type's rules as inside
     `quax.quaxify`.
+
+    Every value also carries a guard leaf (`_guard`, zero bytes, of the value's
+    batch shape) that JAX refuses any arithmetic on, so that leafwise code
+    (`jax.tree.map`, optax) that reaches the fields fails with an error naming the
+    fix instead of computing a wrong answer; see `_guard.py`. Constructors set it;
+    rules that build values without `__init__` go through `unchecked`, which does.
     """
+
+    _guard: Any = eqx.field(default=None, init=False)
+
+    def __check_init__(self) -> None:
+        # Runs after every subclass's `__init__` (equinox calls each class's
+        # `__check_init__`); the only place all constructors pass through.
+        install_guard(self)
+
+    def _fill_unset_fields(self) -> None:
+        # Called by `unchecked`, which rules build their outputs with.
+        install_guard(self)
 
     @abc.abstractmethod
     def aval(self) -> jax.core.ShapedArray: ...
@@ -71,6 +97,7 @@ class CompressedArray(quax.ArrayValue):
         return sum(
             math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
             for leaf in jtu.tree_leaves(self)
+            if not is_guard(leaf)
         )
 
     @property
@@ -258,6 +285,32 @@ class CompressedArray(quax.ArrayValue):
         primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
     ) -> Any:
         return densify(primitive, values, params, reason="no rule for these operands")
+
+
+def install_guard(value: CompressedArray) -> None:
+    """Sets the guard leaf of a value built without one (by its constructor, or by
+    `unchecked` in a rule), with the value's batch shape."""
+    batch_ndim = value.batch_ndim
+    batch_shape: tuple[int, ...] = ()
+    if batch_ndim:
+        # Every array field leads with the batch dims. Read them from a field, not
+        # from `value.shape`, which builds the aval (slow on the eager hot path).
+        field = next(
+            x
+            for name, x in vars(value).items()
+            if name != "_guard" and isinstance(x, jax.Array) and x.ndim >= batch_ndim
+        )
+        batch_shape = tuple(field.shape[:batch_ndim])
+    object.__setattr__(value, "_guard", guard(batch_shape))
+
+
+def map_fields(fn: Callable[[Array], Array], value: CompressedArray) -> Any:
+    """`value` with `fn` applied to each array field (as `jax.tree.map` would), and a
+    fresh guard leaf for the result's batch shape. For code that moves the fields as
+    they are (collectives over stacked values), not for arithmetic."""
+    out = jtu.tree_map(lambda f: f if is_guard(f) else fn(f), value)
+    install_guard(out)
+    return out
 
 
 class ChunkCompressor(eqx.Module):

@@ -15,6 +15,8 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, PyTree
 
+from ._guard import is_guard
+
 
 AxisName = Hashable | tuple[Hashable, ...]
 
@@ -64,7 +66,9 @@ def device_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
     The same values, typed as varying over `axis_name`.
     """
     axes = axes_of(axis_name)
-    return jtu.tree_map(lambda x: vary_leaf(x, axes), tree)
+    # A compressed value's guard leaf is a constant that holds no data: it stays
+    # replicated, so that `partition_specs` can give it `P()`.
+    return jtu.tree_map(lambda x: x if is_guard(x) else vary_leaf(x, axes), tree)
 
 
 def gather(x: Array, axis_name: AxisName) -> Array:

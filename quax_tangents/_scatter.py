@@ -13,11 +13,10 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, Float
 
-from ._base import ChunkCompressor, CompressedArray
+from ._base import ChunkCompressor, CompressedArray, map_fields
 from ._devices import AxisName, axes_of, axis_size, gather, vary_leaf
 from ._validate import values_unchecked
 
@@ -30,7 +29,7 @@ def _exchange(sent: CompressedArray, axis_name: AxisName) -> CompressedArray:
     """`all_to_all` of every field of `sent`, a value with a leading axis of one chunk
     per device: element `i` of the result is the chunk that device `i` sent here."""
     axes = axes_of(axis_name)
-    return jtu.tree_map(
+    return map_fields(
         lambda f: lax.all_to_all(vary_leaf(f, axes), axis_name, 0, 0), sent
     )
 
@@ -38,7 +37,7 @@ def _exchange(sent: CompressedArray, axis_name: AxisName) -> CompressedArray:
 def _gather_value(value: CompressedArray, axis_name: AxisName) -> CompressedArray:
     """Every device's `value` stacked on a new leading (batch) axis, by an all-gather
     of its fields."""
-    return jtu.tree_map(lambda f: gather(f, axis_name), value)
+    return map_fields(lambda f: gather(f, axis_name), value)
 
 
 def _decode_sum(received: CompressedArray) -> Float[Array, "..."]:

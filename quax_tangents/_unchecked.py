@@ -16,13 +16,23 @@ _T = TypeVar("_T")
 
 def unchecked(cls: type[_T], **fields: Any) -> _T:
     """A module of `cls` from all of its fields, without running `__init__` or
-    `__check_init__` (equinox runs `__check_init__` only from `__init__`)."""
-    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
-    if set(fields) != names:
+    `__check_init__` (equinox runs `__check_init__` only from `__init__`).
+
+    Fields that `__init__` does not take (`init=False`) may be left out; a class that
+    fills them itself says how in a `_fill_unset_fields` method (compressed values
+    set their guard leaf there)."""
+    all_fields = dataclasses.fields(cast(Any, cls))
+    names = {f.name for f in all_fields}
+    required = {f.name for f in all_fields if f.init}
+    if not required <= set(fields) <= names:
         raise TypeError(
-            f"{cls.__name__} needs fields {sorted(names)}, got {sorted(fields)}."
+            f"{cls.__name__} needs fields {sorted(required)}, got {sorted(fields)}."
         )
     obj = object.__new__(cls)
     for name, value in fields.items():
         object.__setattr__(obj, name, value)
+    if set(fields) != names:
+        fill = getattr(obj, "_fill_unset_fields", None)
+        if fill is not None:
+            fill()
     return obj

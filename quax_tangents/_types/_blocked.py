@@ -78,7 +78,11 @@ def check_shape(
 
 
 def fields_of(module: Any) -> dict[str, Any]:
-    return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)}
+    """The fields a constructor takes; the guard leaf is left out, so that a value
+    rebuilt from them gets a guard of its own batch shape."""
+    return {
+        f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.init
+    }
 
 
 def flat_blocks(x: Any, n_blocks: int, block_elems: int) -> Any:

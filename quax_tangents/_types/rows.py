@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
-from .._base import CompressedArray, densify
+from .._base import CompressedArray, densify, install_guard
 from .._devices import axis_size, gather_along
 from .._fallback import record_densification
 from .._lax import add_any_p
@@ -85,6 +85,7 @@ class SparseRows(CompressedArray):
         object.__setattr__(out, "indices", jnp.asarray(indices, _INDEX_DTYPE))
         object.__setattr__(out, "rows", rows)
         object.__setattr__(out, "num_rows", int(num_rows))
+        install_guard(out)
         return out
 
     @property

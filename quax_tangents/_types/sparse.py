@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .. import _validate
-from .._base import ChunkCompressor, CompressedArray, densify
+from .._base import ChunkCompressor, CompressedArray, densify, install_guard
 from .._devices import axis_size, gather_along
 from .._fallback import record_dense_result, record_densification
 from .._lax import add_any_p
@@ -121,6 +121,7 @@ class Sparse(CompressedArray):
         object.__setattr__(out, "indices", jnp.asarray(indices, _INDEX_DTYPE))
         object.__setattr__(out, "values", values)
         object.__setattr__(out, "event_shape", tuple(int(d) for d in event_shape))
+        install_guard(out)
         return out
 
     @property

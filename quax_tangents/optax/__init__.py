@@ -6,8 +6,9 @@ transformation, on the dense arrays).
 
 Each compressing transformation emits *dense* updates: the materialised compressed value, or the
 mean over devices of the compressed values. Generic optax transformations (`adam`,
-`sgd`, `apply_updates`) map over array leaves, and handed a compressed value they would
-scale its factors or indices instead of the array it represents. The bytes that
+`sgd`, `clip_by_global_norm`) map over array leaves: handed a compressed value they
+would scale its factors or indices instead of the array it represents, so they raise a
+`TypeError` that names the fix (`lift`, `projected`, `apply_updates`). The bytes that
 compression saves are those on the wire: give `axis_name` and call the transformation
 inside a `jax.shard_map` body, and the only collectives it runs move compressed fields.
 

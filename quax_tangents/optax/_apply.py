@@ -135,10 +135,10 @@ def lift(
 
     Each compressed leaf is materialised, and counted as a densification through the
     fallback policy (see [`quax_tangents.fallback`][]), so the memory a compressed
-    gradient saves is spent here. It is the safe way to use a transformation that
-    has no compressed form: handed a compressed value directly, an optax
-    transformation maps over its fields (`optax.sgd` scales both factors of a
-    `LowRank`, a wrong update without an error).
+    gradient saves is spent here. It is the way to use a transformation that has
+    no compressed form: handed a compressed value directly, an optax transformation
+    would map over its fields (`optax.sgd` would scale both factors of a
+    `LowRank`), and the value's guard leaf makes it raise a `TypeError` instead.
 
     **Arguments:**
 

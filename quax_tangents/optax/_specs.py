@@ -7,12 +7,14 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
+from .._guard import is_guard
 from ._compress import CompressState
 from ._powersgd import PowerSGDState
 
 
 def _specs(tree: PyTree, spec: PartitionSpec) -> PyTree:
-    return jtu.tree_map(lambda _: spec, tree)
+    # A compressed value's guard leaf is replicated and may be 0-d: always `P()`.
+    return jtu.tree_map(lambda x: PartitionSpec() if is_guard(x) else spec, tree)
 
 
 def partition_specs(

@@ -59,6 +59,14 @@ def tree_allclose(x, y, dtype=None, **kwargs) -> bool:
     return True
 
 
+def field_leaves(value) -> list:
+    """The array fields of a compressed value, without its guard leaf (which holds no
+    data and cannot be converted to NumPy)."""
+    from quax_tangents._guard import is_guard
+
+    return [leaf for leaf in jtu.tree_leaves(value) if not is_guard(leaf)]
+
+
 def float_dtypes(include_half: bool = True):
     return st.sampled_from(FLOAT_DTYPES if include_half else (jnp.float32,))
 

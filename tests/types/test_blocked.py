@@ -10,7 +10,7 @@ from hypothesis import given, settings
 
 import quax_tangents as qt
 from quax_tangents._types._blocked import BlockedArray
-from tests.helpers import assert_close, float_dtypes, random_array
+from tests.helpers import assert_close, field_leaves, float_dtypes, random_array
 from tests.helpers.blocked import (
     batched_compressor,
     blocked_values,
@@ -192,7 +192,7 @@ def test_float_conversion_keeps_the_type_and_the_blocks(values, dtype):
     with qt.fallback("error"):
         out = quax.quaxify(lambda a: a.astype(dtype))(values)
     assert isinstance(out, type(values)) and out.dtype == dtype
-    for got, stored in zip(jax.tree.leaves(out), jax.tree.leaves(values), strict=True):
+    for got, stored in zip(field_leaves(out), field_leaves(values), strict=True):
         np.testing.assert_array_equal(got, stored)
 
 

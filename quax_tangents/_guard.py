@@ -1,0 +1,121 @@
+"""The guard leaf that keeps leafwise code from misreading a compressed value.
+
+A compressed value is an equinox Module, so a pytree: code that maps a function over
+array leaves (every optax transformation, `optax.apply_updates`'s callers,
+`jax.tree.map(lambda g: -lr * g, grads)`) reaches its fields, not the array it
+represents. Scaling both factors of a `LowRank` squares the scale; adding the fields
+of two values is not the sum of the arrays. Such code would run and give a wrong
+answer.
+
+So every compressed value carries one more leaf, the guard: an array of JAX's
+extended "key" kind, of a key implementation of our own whose tag is the message
+below. It holds no data (its key shape is `(0,)`, so it stores zero bytes) and has
+the value's batch shape, so `vmap`, `scan`, `cond` and `jit` stack, slice, select
+and pass it as they do the fields. JAX refuses arithmetic, comparisons, reductions
+and casts on key arrays at trace time, in the operation that tries, with an error
+that names the dtype: `multiply does not accept dtypes key<...>, float32`, where
+`...` is the message. The leafwise map fails where it is written, eagerly and under
+`jit` alike, and the error says what to use instead. Nothing is checked anywhere
+else: no cost on the hot path.
+
+The guard's shape is the value's batch shape followed by `(1, 1)`, so that code that
+only transforms leaves of at least two dims (`optax.centralize`) reaches it too.
+
+What leafwise code can still do to a value without arithmetic (select between two
+whole values, slice batch dims, make zeros of it, pass it through) leaves a correct
+value.
+
+One gap is closed by hand: a *concrete* key array (outside `jit`) answers the array
+methods it lacks (`x.real`, `x.conj()`, `x.sum()`, ...) with JAX's bare
+"Cannot call abstract method real". `_explain_key_methods` wraps those methods so
+that, for a guard only, the error carries the message; every other key array gets
+JAX's own error unchanged.
+"""
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import random as jex_random
+
+
+GUARD_MESSAGE = (
+    "a compressed value (quax_tangents), whose fields leafwise code must not "
+    "transform: use quax_tangents.optax.lift(tx) for any optax transformation, "
+    "quax_tangents.optax.projected(..., learning_rate=...) for projected gradients, "
+    "quax_tangents.optax.accumulate_gradients for microbatches, "
+    "quax_tangents.optax.apply_updates to apply updates, or "
+    "quax_tangents.materialise for the dense array"
+)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    del args, kwargs
+    raise TypeError(
+        "The guard leaf of a compressed value is not a random key; do not pass it to "
+        "`jax.random`."
+    )
+
+
+def _seed(seed: Any) -> jax.Array:
+    del seed
+    return jnp.zeros((0,), jnp.uint32)
+
+
+# Module-level functions only, so that a value (its guard's dtype) pickles.
+_GUARD_IMPL = jex_random.define_prng_impl(
+    key_shape=(0,),
+    seed=_seed,
+    split=_refuse,
+    random_bits=_refuse,
+    fold_in=_refuse,
+    name="quax_tangents.guard",
+    tag=GUARD_MESSAGE,
+)
+
+
+@functools.cache
+def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
+    """The guard leaf of a value with these batch dims: a concrete, zero-byte key
+    array of shape `(*batch_shape, 1, 1)`, made once per shape (a constant under a
+    trace)."""
+    with jax.ensure_compile_time_eval():
+        data = np.zeros((*batch_shape, 1, 1, 0), np.uint32)
+        return jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
+
+
+GUARD_DTYPE = guard(()).dtype
+
+
+def is_guard(x: Any) -> bool:
+    """Whether `x` (an array, a tracer or a `jax.ShapeDtypeStruct`) is a guard."""
+    return getattr(x, "dtype", None) == GUARD_DTYPE
+
+
+def _explaining(name: str, original: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_guard(self):
+            raise TypeError(f"`{name}` does not accept dtype {GUARD_DTYPE}.")
+        return original(self, *args, **kwargs)
+
+    return method
+
+
+def _explain_key_methods() -> None:
+    key_array = type(guard(()))
+    for name in dir(key_array):
+        if name.startswith("_"):
+            continue
+        attribute = inspect.getattr_static(key_array, name)
+        is_property = isinstance(attribute, property)
+        function = attribute.fget if is_property else attribute
+        if not getattr(function, "__isabstractmethod__", False):
+            continue
+        wrapped = _explaining(name, function)
+        setattr(key_array, name, property(wrapped) if is_property else wrapped)
+
+
+_explain_key_methods()
