@@ -33,6 +33,7 @@ from ._fallback import dry_run, record_densification
 from ._primitives import compress_p, outer_p
 from ._projection import finish_p, outer_sum_p, rows_p
 from ._registry import rule
+from ._types.lowrank import LowRank
 
 
 _CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)
@@ -259,7 +260,7 @@ def _settle_carry(
     returns it with the plan that keeps each carry's type fixed, and its output
     shapes."""
     carry = list(carry)
-    for _ in range(2):
+    for _ in range(3):
         body = _Body(jaxpr, consts, carry, xs)
         with dry_run():
             out_shape = jax.eval_shape(
@@ -271,14 +272,30 @@ def _settle_carry(
         ]
         if all(plan is not None for plan in plans):
             return body, plans, out_shape
-        for name in {type(c).__name__ for c, p in zip(carry, plans) if p is None}:
+        loosened = [_without_projector_side(c) if p is None else None for c, p in zip(carry, plans)]
+        for name in {
+            type(c).__name__
+            for c, p, l in zip(carry, plans, loosened)
+            if p is None and l is None
+        }:
             record_densification(
                 primitive, (name,), "the body returns this carry dense"
             )
-        carry = [c.materialise() if p is None else c for c, p in zip(carry, plans)]
+        carry = [
+            c if p is not None else (l if l is not None else c.materialise())
+            for c, p, l in zip(carry, plans, loosened)
+        ]
     raise TypeError(
         f"`lax.{primitive}` carry types did not settle."
     )  # pragma: no cover
+
+
+def _without_projector_side(carry: Any) -> Any:
+    """A tagged `LowRank` carry without its tag (the body does not keep the
+    projection), or `None` when dropping a tag does not help."""
+    if isinstance(carry, LowRank) and carry.projector_side is not None:
+        return carry.with_projector_side(None)
+    return None
 
 
 def _settled_fn(body: _Body, plans: Sequence[Callable]) -> Callable:

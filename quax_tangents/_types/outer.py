@@ -23,23 +23,28 @@ from .._registry import rule
 
 
 class OuterSum(CompressedArray):
-    """The matrix `left @ right.T` of shape `(m, n)`, a sum of `B` outer products.
+    """The matrix `left @ right.T` of shape `(*batch, m, n)`, a sum of `B` outer
+    products per batch element.
 
     **Arguments:**
 
-    - `left`: floating array `(m, B)`.
-    - `right`: floating array `(n, B)` of the same dtype.
+    - `left`: floating array `(*batch, m, B)`.
+    - `right`: floating array `(*batch, n, B)` of the same dtype and leading dims.
     """
 
-    left: Float[Array, "m B"]
-    right: Float[Array, "n B"]
+    left: Float[Array, "*batch m B"]
+    right: Float[Array, "*batch n B"]
+
+    @property
+    def batch_ndim(self) -> int:
+        return self.left.ndim - 2
 
     def aval(self) -> jax.core.ShapedArray:
-        shape = (self.left.shape[0], self.right.shape[0])
+        shape = self.left.shape[:-1] + self.right.shape[-2:-1]
         return jax.core.ShapedArray(shape, self.left.dtype)
 
     def materialise(self) -> Array:
-        return self.left @ self.right.T
+        return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
 
 
 @rule(add_any_p)
