@@ -422,7 +422,7 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
     return Marked(_finished(spec, w, *operands), spec.kind, False)
 
 
-@rule(jax.lax.transpose_p)
+@rule(jax.lax.transpose_p, dense_output=True)
 def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
     nb = w.ndim - 2
     batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
@@ -433,7 +433,7 @@ def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
     return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
 
 
-@rule(jax.lax.convert_element_type_p)
+@rule(jax.lax.convert_element_type_p, dense_output=True)
 def _convert_marked(w: Marked, *, new_dtype: Any, **params: Any) -> Any:
     """A floating cast (a bf16 compute copy of an f32 weight) keeps the mark: the
     products use the cast weight, and the gradient's factors are cast back to the
@@ -539,12 +539,12 @@ def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
     return _factored_dot(dot, x, w.array)
 
 
-@rule(jax.lax.dot_general_p)
+@rule(jax.lax.dot_general_p, dense_output=True)
 def _dot_dense_marked(x: ArrayLike, w: Marked, **params: Any) -> Array:
     return _dot_marked(x, w, False, params)
 
 
-@rule(jax.lax.dot_general_p)
+@rule(jax.lax.dot_general_p, dense_output=True)
 def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
     return _dot_marked(x, w, True, params)
 
@@ -599,7 +599,7 @@ _rows_gather = jax.custom_vjp(_Gather.bind, nondiff_argnums=(0,))
 _rows_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@rule(jax.lax.gather_p)
+@rule(jax.lax.gather_p, dense_output=True)
 def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
     rows_read = table.kind == "rows" and not table.transposed and table.ndim == 2
     if not rows_read or _row_position(params, table.shape) is None:
@@ -638,7 +638,7 @@ _rows_slice = jax.custom_vjp(_slice_row)
 _rows_slice.defvjp(_slice_fwd, _slice_bwd)
 
 
-@rule(jax.lax.dynamic_slice_p)
+@rule(jax.lax.dynamic_slice_p, dense_output=True)
 def _slice_marked(
     table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
 ) -> Array:

@@ -256,7 +256,7 @@ def _finish_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Any:
     return ct.materialise()
 
 
-@rule(finish_p)
+@rule(finish_p, dense_output=True)
 def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
     # A dense total: some use of the weight had no compressed form. It is counted
     # here, where the mark had to take a dense cotangent, whatever made it dense. A
