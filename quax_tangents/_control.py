@@ -27,6 +27,7 @@ from jaxtyping import ArrayLike
 from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
 
+from . import _marked_scan
 from ._base import CompressedArray
 from ._cotangents import mark_p
 from ._fallback import dry_run, record_densification
@@ -323,6 +324,8 @@ def _sliceable(x: Any) -> Any:
 def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
+    if _marked_scan.applies(args, params["num_consts"], params["num_carry"]):
+        return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
     xs_avals = [

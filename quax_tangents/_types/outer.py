@@ -11,10 +11,14 @@ the few products the finishing step takes of it.
 Every rule this representation registers lives in this file.
 """
 
+from typing import Any
+
 import jax
 import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
+
+import math
 
 from .._base import CompressedArray, densify
 from .._fallback import record_densification
@@ -70,3 +74,26 @@ def _add_any_dense_right(x: OuterSum, y: ArrayLike) -> Array:
 @rule(add_any_p, dense_output=True)
 def _add_any_dense_left(y: ArrayLike, x: OuterSum) -> Array:
     return _plus_dense(x, y)
+
+
+@rule(jax.lax.reduce_sum_p)
+def _reduce_sum(x: OuterSum, *, axes: tuple[int, ...], **params: Any) -> Any:
+    """A sum over batch dims is one sum of outer products holding every term (the
+    iterations of a scan, summed): the factors side by side."""
+    nb = x.batch_ndim
+    axes = tuple(sorted(a % x.ndim for a in axes))
+    if any(a >= nb for a in axes):
+        return densify(
+            jax.lax.reduce_sum_p,
+            [x],
+            dict(axes=axes, **params),
+            reason="a sum over a matrix dim",
+        )
+    keep = [a for a in range(nb) if a not in axes]
+    terms = x.left.shape[-1] * math.prod(x.shape[a] for a in axes)
+
+    def merge(factor: Array) -> Array:
+        moved = jnp.transpose(factor, (*keep, nb, *axes, nb + 1))
+        return moved.reshape(moved.shape[: len(keep) + 1] + (terms,))
+
+    return OuterSum(merge(x.left), merge(x.right))
