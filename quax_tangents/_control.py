@@ -273,7 +273,10 @@ def _settle_carry(
         ]
         if all(plan is not None for plan in plans):
             return body, plans, out_shape
-        loosened = [_without_projector_side(c) if p is None else None for c, p in zip(carry, plans)]
+        loosened = [
+            _without_projector_side(c) if p is None else None
+            for c, p in zip(carry, plans)
+        ]
         for name in {
             type(c).__name__
             for c, p, l in zip(carry, plans, loosened)

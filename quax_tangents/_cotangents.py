@@ -427,9 +427,7 @@ def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
     nb = w.ndim - 2
     batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
     if batch != tuple(range(nb)):
-        return Marked.default(
-            jax.lax.transpose_p, (w,), dict(permutation=permutation)
-        )
+        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
     return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
 
 

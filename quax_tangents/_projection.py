@@ -275,13 +275,23 @@ def _finish_rows(ct: SparseRows, *operands: ArrayLike, spec: Finish) -> Any:
     if spec.kind != "rows":
         record_densification(finish_p.name, ("SparseRows",), "a row gather of a matrix")
         dense = ct.materialise()
-        return project_dense(spec, dense, operands) if spec.kind == "projected" else dense
+        return (
+            project_dense(spec, dense, operands) if spec.kind == "projected" else dense
+        )
     return unique_rows(ct)
 
 
 def unique_rows(x: SparseRows) -> SparseRows:
-    """The same array with each row number stored once (duplicates summed), padded
-    with zero rows at row 0 to the same number of stored rows."""
-    ids, inverse = jnp.unique(x.indices, size=x.k, fill_value=0, return_inverse=True)
-    rows = jnp.zeros_like(x.rows).at[inverse.reshape(-1)].add(x.rows)
+    """The same array with each row number stored once per slice (duplicates
+    summed), padded with zero rows at row 0 to the same number of stored rows."""
+
+    def one(indices: Array, rows: Array) -> tuple[Array, Array]:
+        ids, inverse = jnp.unique(
+            indices, size=indices.shape[0], fill_value=0, return_inverse=True
+        )
+        return ids, jnp.zeros_like(rows).at[inverse.reshape(-1)].add(rows)
+
+    for _ in range(x.batch_ndim):
+        one = jax.vmap(one)
+    ids, rows = one(x.indices, x.rows)
     return SparseRows.build(ids, rows, x.num_rows)

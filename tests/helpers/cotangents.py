@@ -114,9 +114,7 @@ def _finish_operands(draw, shape, batch=()):
     spec = Finish("projected", rank=rank, iters=iters, source=source)
     keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
     key = jax.random.key_data(keys.reshape(batch))
-    projector = jnp.linalg.qr(
-        random_array(draw(seeds()), (*batch, min(m, n), rank))
-    )[0]
+    projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, min(m, n), rank)))[0]
     refresh = jnp.asarray(draw(st.booleans()))
     operands = {
         "given": (projector,),
@@ -228,7 +226,9 @@ def _convert():
     @st.composite
     def draw_case(draw):
         w = draw(_marked())
-        dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32]))
+        dtype = draw(
+            st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32])
+        )
         # Bound directly: `lax.convert_element_type` skips a cast to the same dtype.
         fn = lambda a: jax.lax.convert_element_type_p.bind(  # noqa: E731
             a, new_dtype=jnp.dtype(dtype), weak_type=False, sharding=None
