@@ -26,6 +26,7 @@ from jax._src.ad_checkpoint import remat_p
 from jaxtyping import ArrayLike
 from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
+from quax._trace import _QuaxTrace
 
 from . import _marked_scan
 from ._base import CompressedArray
@@ -84,6 +85,23 @@ def _jit_dense(*args: ArrayLike, jaxpr: Any, **params: Any) -> Any:
     if has_construction(jaxpr):
         return _enter_trace(jexc.jaxpr_as_fun(jaxpr))(*args)
     return jit_quax(*args, jaxpr=jaxpr, **params)
+
+
+# ---------------------------------------------------------------------------------------
+# Call primitives (`closed_call`, which JAX's partial evaluation of a checkpointed body
+# nested in a scan binds on the trace below it) are inlined: quax 0.4's trace has
+# no `process_call`.
+
+
+def _inline_call(trace: Any, primitive: Any, fun: Any, tracers: Any, params: Any):
+    with jcore.set_current_trace(trace):
+        return fun.call_wrapped(*tracers)
+
+
+if not hasattr(_QuaxTrace, "process_call") or (
+    _QuaxTrace.process_call is jcore.Trace.process_call
+):
+    _QuaxTrace.process_call = _inline_call
 
 
 # ---------------------------------------------------------------------------------------
@@ -273,22 +291,16 @@ def _settle_carry(
         ]
         if all(plan is not None for plan in plans):
             return body, plans, out_shape
-        loosened = [
-            _without_projector_side(c) if p is None else None
-            for c, p in zip(carry, plans)
+        # A carry whose body drops its projection tag re-enters untagged; any
+        # other carry that does not fit enters dense (counted).
+        untagged = [
+            _without_projector_side(c) if p is None else c for c, p in zip(carry, plans)
         ]
-        for name in {
-            type(c).__name__
-            for c, p, l in zip(carry, plans, loosened)
-            if p is None and l is None
-        }:
+        for name in {type(c).__name__ for c, u in zip(carry, untagged) if u is None}:
             record_densification(
                 primitive, (name,), "the body returns this carry dense"
             )
-        carry = [
-            c if p is not None else (l if l is not None else c.materialise())
-            for c, p, l in zip(carry, plans, loosened)
-        ]
+        carry = [c.materialise() if u is None else u for c, u in zip(carry, untagged)]
     raise TypeError(
         f"`lax.{primitive}` carry types did not settle."
     )  # pragma: no cover

@@ -11,14 +11,13 @@ the few products the finishing step takes of it.
 Every rule this representation registers lives in this file.
 """
 
+import math
 from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
-
-import math
 
 from .._base import CompressedArray, densify
 from .._fallback import record_densification
