@@ -374,6 +374,11 @@ class Marked(quax.ArrayValue):
     transpose in the last two dims), seen in `compute_dtype` when a cast was applied
     (`None`: `array`'s own dtype).
 
+    `view`, when set, is `(rows, cols, perm)`: the weight is seen as the array
+    `(*batch, *rows, *cols)` that `array` reshapes to (`prod(rows) == m`,
+    `prod(cols) == n`), transposed by `perm` (a reshape that splits or merges one
+    side, such as `(d, h * k)` to `(d, h, k)`, keeps the mark).
+
     Its cotangent stays compressed where it meets `dot_general` (and a row gather for
     a row mark); every other use takes the weight itself and makes its cotangent
     dense, counted as a densification of `Marked`.
@@ -383,16 +388,20 @@ class Marked(quax.ArrayValue):
     kind: str = eqx.field(static=True)
     transposed: bool = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True, default=None)
+    view: tuple | None = eqx.field(static=True, default=None)
 
     def aval(self) -> jax.core.ShapedArray:
         shape = jnp.shape(self.array)
-        if self.transposed:
+        if self.view is not None:
+            rows, cols, perm = self.view
+            canonical = shape[:-2] + tuple(rows) + tuple(cols)
+            shape = tuple(canonical[p] for p in perm)
+        elif self.transposed:
             shape = shape[:-2] + shape[-2:][::-1]
         return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
 
     def materialise(self) -> Array:
-        array = jnp.swapaxes(self.array, -1, -2) if self.transposed else self.array
-        return array if self.compute_dtype is None else array.astype(self.compute_dtype)
+        return seen(self.array, self.transposed, self.compute_dtype, self.view)
 
     def replace(self, **changes: Any) -> "Marked":
         fields = dict(
@@ -400,8 +409,18 @@ class Marked(quax.ArrayValue):
             kind=self.kind,
             transposed=self.transposed,
             compute_dtype=self.compute_dtype,
+            view=self.view,
         )
         return Marked(**{**fields, **changes})
+
+    def statics(self) -> dict[str, Any]:
+        """Everything but `array`: `Marked(array, **statics)` rebuilds it."""
+        return dict(
+            kind=self.kind,
+            transposed=self.transposed,
+            compute_dtype=self.compute_dtype,
+            view=self.view,
+        )
 
     @staticmethod
     def default(primitive: jexc.Primitive, values: Any, params: dict) -> Any:
@@ -417,6 +436,17 @@ class Marked(quax.ArrayValue):
         return primitive.bind(*arrays, **params)
 
 
+def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array:
+    """The array a marked weight `array` is seen as (see `Marked`)."""
+    if view is not None:
+        rows, cols, perm = view
+        array = array.reshape(array.shape[:-2] + tuple(rows) + tuple(cols))
+        array = jnp.transpose(array, perm)
+    elif transposed:
+        array = jnp.swapaxes(array, -1, -2)
+    return array if cast is None else array.astype(cast)
+
+
 @rule(mark_p)
 def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
     return Marked(_finished(spec, w, *operands), spec.kind, False)
@@ -424,6 +454,8 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
 
 @rule(jax.lax.transpose_p, dense_output=True)
 def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
+    if w.view is not None:
+        return _marked_views.transpose_view(w, tuple(permutation))
     nb = w.ndim - 2
     batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
     if batch != tuple(range(nb)):
@@ -523,6 +555,8 @@ def _gradient_factors(dot: _Dot, x: Array, ct: Array) -> tuple[Array, Array]:
 
 
 def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
+    if w.view is not None:
+        return _marked_views.dot_view(x, w, w_is_lhs, params)
     dot = _Dot(
         tuple(sorted(params.items())),
         w_is_lhs,
@@ -599,7 +633,12 @@ _rows_gather.defvjp(_gather_fwd, _gather_bwd)
 
 @rule(jax.lax.gather_p, dense_output=True)
 def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
-    rows_read = table.kind == "rows" and not table.transposed and table.ndim == 2
+    rows_read = (
+        table.kind == "rows"
+        and not table.transposed
+        and table.view is None
+        and table.ndim == 2
+    )
     if not rows_read or _row_position(params, table.shape) is None:
         return Marked.default(jax.lax.gather_p, (table, indices), params)
     gather = _Gather(tuple(sorted(params.items())))
@@ -640,9 +679,18 @@ _rows_slice.defvjp(_slice_fwd, _slice_bwd)
 def _slice_marked(
     table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
 ) -> Array:
-    rows_read = table.kind == "rows" and not table.transposed and table.ndim == 2
+    rows_read = (
+        table.kind == "rows"
+        and not table.transposed
+        and table.view is None
+        and table.ndim == 2
+    )
     if not rows_read or tuple(slice_sizes) != (1, table.shape[1]):
         return Marked.default(
             jax.lax.dynamic_slice_p, (table, row, column), dict(slice_sizes=slice_sizes)
         )
     return _cast(_rows_slice(table.array, row, column), table.compute_dtype)
+
+
+# Reshaped views of a marked weight; imported last, as they build on `Marked`.
+from . import _marked_views  # noqa: E402

@@ -33,17 +33,15 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _meta(x: Any) -> tuple | None:
-    if isinstance(x, Marked):
-        return (x.kind, x.transposed, x.compute_dtype)
-    return None
+def _meta(x: Any) -> dict | None:
+    return x.statics() if isinstance(x, Marked) else None
 
 
 def _dense_view(array: Any, meta: tuple | None) -> Any:
     """What the body sees of an input in the forward pass."""
     if meta is None:
         return array
-    return Marked(array, *meta).materialise()
+    return Marked(array, **meta).materialise()
 
 
 def applies(args: Sequence[Any], num_consts: int, num_carry: int) -> bool:
@@ -100,7 +98,7 @@ def scan_with_marked_consts(
 
 def _backward(
     body: Callable,
-    metas: Sequence[tuple | None],
+    metas: Sequence[dict | None],
     nc: int,
     nk: int,
     options: dict[str, Any],
@@ -127,7 +125,7 @@ def _backward(
             full = list(inputs)
             for i, f in zip(float_positions, floats):
                 full[i] = f
-            values = [Marked(a, *m) if m else a for a, m in zip(full, metas)]
+            values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
             return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
 
         return [inputs[i] for i in float_positions], of_floats

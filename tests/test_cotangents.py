@@ -221,6 +221,45 @@ def test_a_sum_without_a_projected_form_is_counted_and_projects_the_total():
     assert_close(jax.grad(_decay_loss)(w, x, True), grad)
 
 
+# Uses of a marked weight that give it a dense cotangent, and the primitive that does.
+DENSE_USES = {
+    "weight decay": (lambda w: 0.5 * jnp.sum(w**2), "integer_pow"),
+    "a reshape the mark cannot follow": (
+        lambda w: jnp.sum(jnp.sin(w.reshape(-1))),
+        "reshape",
+    ),
+    "a gather of a projected weight": (
+        lambda w: jnp.sum(jnp.sin(w[jnp.asarray([1, 3, 3])])),
+        "gather",
+    ),
+    "a contraction of both dims": (lambda w: jnp.einsum("mn,mn->", w, w), "dot_general"),
+}
+
+
+@pytest.mark.parametrize("use", DENSE_USES)
+def test_every_dense_cotangent_of_a_mark_is_counted(use):
+    fn, primitive = DENSE_USES[use]
+    w = random_array(0, (M, N))
+    p = _orthonormal(3, M, RANK)
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, RANK, projector=p)
+        return fn(w)
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError):
+        qt.grad(loss)(w, True)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(w, True)
+    # The use that made it dense, and the dense total the mark finished, even when
+    # nothing else was added to it.
+    counts = qt.fallback_counts()
+    assert counts[(primitive, "Marked")] >= 1 and counts[("finish", "Marked")] == 1
+    g = jax.grad(loss)(w, False)
+    assert_close(grad, p @ (p.T @ g))
+
+
 def test_two_matmuls_of_one_weight_add_up_without_densifying():
     w = random_array(0, (M, N))
     x, y = random_array(1, (2, M)), random_array(2, (N, 3))
