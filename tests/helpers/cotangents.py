@@ -239,6 +239,38 @@ def _convert():
     return draw_case()
 
 
+def _factorisations(n):
+    """Ways to write `n` as a product of one or two sizes."""
+    pairs = [(a, n // a) for a in range(2, n) if n % a == 0]
+    return [(n,), *pairs]
+
+
+@case("reshape", "Marked")
+def _reshape():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked(kind=draw(st.sampled_from(["factored", "projected"]))))
+        *batch, m, n = w.array.shape
+        # Split the rows or the columns (kept as a view), or flatten (dense).
+        how = draw(st.sampled_from(["rows", "cols", "flatten"]))
+        if how == "flatten" or w.transposed:
+            sizes = (*batch, m * n)
+        elif how == "rows":
+            sizes = (*batch, *draw(st.sampled_from(_factorisations(m))), n)
+        else:
+            sizes = (*batch, m, *draw(st.sampled_from(_factorisations(n))))
+        if w.transposed:
+            sizes = (*batch, m * n)
+        # Bound directly: `lax.reshape` skips a reshape to the same shape.
+        fn = lambda a: jax.lax.reshape_p.bind(  # noqa: E731
+            a, new_sizes=sizes, dimensions=None, sharding=None
+        )
+        kept = how != "flatten" and not w.transposed and m * n > 1
+        return Case(fn, (w,), w.dtype, out_type=Marked if kept else None)
+
+    return draw_case()
+
+
 @st.composite
 def _dot(draw, marked_first):
     w = draw(_marked())
