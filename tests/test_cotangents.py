@@ -232,7 +232,10 @@ DENSE_USES = {
         lambda w: jnp.sum(jnp.sin(w[jnp.asarray([1, 3, 3])])),
         "gather",
     ),
-    "a contraction of both dims": (lambda w: jnp.einsum("mn,mn->", w, w), "dot_general"),
+    "a contraction of both dims": (
+        lambda w: jnp.einsum("mn,mn->", w, w),
+        "dot_general",
+    ),
 }
 
 

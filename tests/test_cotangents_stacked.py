@@ -336,3 +336,121 @@ def test_a_projector_of_another_float_dtype_is_cast(w_dtype, p_dtype):
     q = p.astype(w_dtype).astype(jnp.float32)
     dense = jax.grad(loss)(w, False).astype(jnp.float32)
     assert_close(grad, q @ (q.T @ dense), jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# Microbatches: projections that share a projector add at the same rank
+
+
+def _microbatch_loss(w, x, p):
+    w = qt.projected_cotangent(w, R, projector=p)
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _microbatches():
+    w, p = random_array(0, (M, N)), orthonormal(3, (M, R))
+    return w, p, random_array(1, (2, 3, M))
+
+
+def _dense_sum(w, p, xs):
+    g = sum(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w) for x in xs)
+    return p @ (p.T @ g)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gradients_with_one_projector_add_at_the_same_rank(jit):
+    w, p, xs = _microbatches()
+
+    def accumulate(w, p):
+        grads = [qt.grad(_microbatch_loss)(w, x, p) for x in xs]
+        return grads[0] + grads[1]
+
+    total = (jax.jit(accumulate) if jit else accumulate)(w, p)
+    assert total.rank == R and total.projector_side == "left"
+    np.testing.assert_array_equal(total.left, p)
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+def test_two_marks_with_one_projector_add_at_the_same_rank():
+    # JAX's backward pass adds the two marks' cotangents with `add_any`.
+    w, p, xs = _microbatches()
+
+    def loss(w):
+        return _microbatch_loss(w, xs[0], p) + _microbatch_loss(w, xs[1], p)
+
+    for grad in (qt.grad(loss)(w), jax.jit(qt.grad(loss))(w)):
+        assert grad.rank == R and grad.projector_side == "left"
+        assert_close(grad, _dense_sum(w, p, xs))
+
+
+def test_microbatches_under_vmap_share_the_projector():
+    w, p, xs = _microbatches()
+    grads = jax.vmap(qt.grad(_microbatch_loss), in_axes=(None, 0, None))(w, xs, p)
+    assert grads.projector_side == "left" and grads.left.shape == (2, M, R)
+    # The projector is the same for every microbatch: the sum is the sum of the
+    # small factors (what `docs/cotangents.md` shows for vmap and scan).
+    total = qt.LowRank(p, grads.right.sum(0), projector_side="left")
+    np.testing.assert_array_equal(grads.left, jnp.broadcast_to(p, grads.left.shape))
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+def test_a_scan_over_microbatches_accumulates_the_small_factor():
+    w, p, xs = _microbatches()
+
+    def accumulate(w, p):
+        def body(right, x):
+            return right + qt.grad(_microbatch_loss)(w, x, p).right, None
+
+        right, _ = jax.lax.scan(body, jnp.zeros((N, R)), xs)
+        return qt.LowRank(p, right, projector_side="left")
+
+    total = jax.jit(accumulate)(w, p)
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+# ---------------------------------------------------------------------------------------
+# A matrix seen with more dims: attention heads
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["split columns", "split rows", "contract the split side", "transposed view"],
+)
+def test_a_reshaped_view_keeps_the_mark(form):
+    d, h, k = 6, 2, 4
+    x = random_array(1, (2, 3, d))
+    heads = random_array(2, (2, 3, h, k))
+    w = random_array(0, (h * k, d) if form == "split rows" else (d, h * k))
+    p = orthonormal(3, (min(w.shape), R))
+
+    def use(w):
+        if form == "split columns":  # q = einsum("btd,dhk->bthk")
+            return jnp.einsum("btd,dhk->bthk", x, w.reshape(d, h, k))
+        if form == "split rows":  # the output projection of (h * k, d)
+            return jnp.einsum("bthk,hkd->btd", heads, w.reshape(h, k, d))
+        if form == "contract the split side":
+            return jnp.einsum("bthk,dhk->btd", heads, w.reshape(d, h, k))
+        return jnp.einsum("bthk,hkd->btd", heads, w.reshape(d, h, k).transpose(1, 2, 0))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+        return jnp.sum(jnp.sin(use(w)))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    g = jax.grad(loss)(w, False)
+    side = "left" if w.shape[0] <= w.shape[1] else "right"
+    assert grad.projector_side == side
+    assert_close(grad, project(g, p, side))
+
+
+def test_a_reshape_that_mixes_the_sides_is_counted():
+    w = random_array(0, (6, 8))
+
+    def loss(w):
+        w = qt.factored_cotangent(w)
+        return jnp.sum(jnp.sin(random_array(1, (3, 4)) @ w.reshape(4, 12)))
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="reshape"):
+        qt.grad(loss)(w)
