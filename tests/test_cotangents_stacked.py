@@ -353,7 +353,7 @@ def _microbatches():
 
 
 def _dense_sum(w, p, xs):
-    g = sum(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w) for x in xs)
+    g = sum(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))(w, x) for x in xs)
     return p @ (p.T @ g)
 
 
