@@ -189,7 +189,9 @@ def projected_cotangent(
     return _mark(spec, w, operands)
 
 
-def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
+def sparse_rows_cotangent(
+    table: Float[Array, "*batch V d"],
+) -> Float[Array, "*batch V d"]:
     """The identity on an embedding table, whose cotangent keeps only the rows read.
 
     Under `quax_tangents.grad`, `value_and_grad` and `vjp`, where `table` is read by
@@ -201,9 +203,12 @@ def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
     add a dense cotangent, and the sum is dense (counted). Elsewhere (plain
     `jax.grad`) it is the dense gradient.
 
+    A stacked table `(*batch, V, d)`, sliced by `lax.scan`, gives a `SparseRows` with
+    `indices` `(*batch, k)`: the rows each slice reads.
+
     **Arguments:**
 
-    - `table`: floating array `(V, d)`.
+    - `table`: floating array `(*batch, V, d)`.
 
     **Returns:**
 

@@ -511,3 +511,10 @@ def test_the_docs_page_runs():
     assert namespace["g_embedding"].k == 4
     assert isinstance(namespace["g_w"], qt.LowRank)
     assert namespace["projector"].matrix.shape == (32, 4)
+    g_blocks = namespace["g_blocks"]
+    assert g_blocks["w"].left.shape == (3, 16, 4)
+    assert g_blocks["v"].projector_side == "right"
+    assert g_blocks["v"].right.shape == (3, 16, 4)
+    assert namespace["g_chunked"]["w"].left.shape == (3, 16, 4)
+    assert namespace["g_bf16"].dtype == jnp.float32
+    assert namespace["g_sum"].rank == 4
