@@ -26,13 +26,16 @@ from jax._src.ad_checkpoint import remat_p
 from jaxtyping import ArrayLike
 from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
+from quax._trace import _QuaxTrace
 
+from . import _marked_scan
 from ._base import CompressedArray
 from ._cotangents import mark_p
 from ._fallback import dry_run, record_densification
 from ._primitives import compress_p, outer_p
 from ._projection import finish_p, outer_sum_p, rows_p
 from ._registry import rule
+from ._types.lowrank import LowRank
 
 
 _CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)
@@ -82,6 +85,23 @@ def _jit_dense(*args: ArrayLike, jaxpr: Any, **params: Any) -> Any:
     if has_construction(jaxpr):
         return _enter_trace(jexc.jaxpr_as_fun(jaxpr))(*args)
     return jit_quax(*args, jaxpr=jaxpr, **params)
+
+
+# ---------------------------------------------------------------------------------------
+# Call primitives (`closed_call`, which JAX's partial evaluation of a checkpointed body
+# nested in a scan binds on the trace below it) are inlined: quax 0.4's trace has
+# no `process_call`.
+
+
+def _inline_call(trace: Any, primitive: Any, fun: Any, tracers: Any, params: Any):
+    with jcore.set_current_trace(trace):
+        return fun.call_wrapped(*tracers)
+
+
+if not hasattr(_QuaxTrace, "process_call") or (
+    _QuaxTrace.process_call is jcore.Trace.process_call
+):
+    _QuaxTrace.process_call = _inline_call
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,7 +279,7 @@ def _settle_carry(
     returns it with the plan that keeps each carry's type fixed, and its output
     shapes."""
     carry = list(carry)
-    for _ in range(2):
+    for _ in range(3):
         body = _Body(jaxpr, consts, carry, xs)
         with dry_run():
             out_shape = jax.eval_shape(
@@ -271,14 +291,27 @@ def _settle_carry(
         ]
         if all(plan is not None for plan in plans):
             return body, plans, out_shape
-        for name in {type(c).__name__ for c, p in zip(carry, plans) if p is None}:
+        # A carry whose body drops its projection tag re-enters untagged; any
+        # other carry that does not fit enters dense (counted).
+        untagged = [
+            _without_projector_side(c) if p is None else c for c, p in zip(carry, plans)
+        ]
+        for name in {type(c).__name__ for c, u in zip(carry, untagged) if u is None}:
             record_densification(
                 primitive, (name,), "the body returns this carry dense"
             )
-        carry = [c.materialise() if p is None else c for c, p in zip(carry, plans)]
+        carry = [c.materialise() if u is None else u for c, u in zip(carry, untagged)]
     raise TypeError(
         f"`lax.{primitive}` carry types did not settle."
     )  # pragma: no cover
+
+
+def _without_projector_side(carry: Any) -> Any:
+    """A tagged `LowRank` carry without its tag (the body does not keep the
+    projection), or `None` when dropping a tag does not help."""
+    if isinstance(carry, LowRank) and carry.projector_side is not None:
+        return carry.with_projector_side(None)
+    return None
 
 
 def _settled_fn(body: _Body, plans: Sequence[Callable]) -> Callable:
@@ -306,6 +339,8 @@ def _sliceable(x: Any) -> Any:
 def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
+    if _marked_scan.applies(args, params["num_consts"], params["num_carry"]):
+        return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
     xs_avals = [

@@ -25,6 +25,7 @@ computes the same numbers densely.
 
 import contextlib
 import dataclasses
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -57,23 +58,25 @@ class Projector(eqx.Module):
     """The projector of one weight for `projected_cotangent`, carried as data so that
     one jitted step serves both the steps that refresh it and those that do not.
 
-    For a weight `w` of shape `(m, n)` and rank `r`, `matrix` has shape `(m, r)` when
-    `m <= n` and `(n, r)` otherwise, the dtype of `w`, and orthonormal columns. When
-    `refresh` is true, `matrix` is ignored (only its shape and dtype are read) and a
-    fresh projector comes from the range finder, as with `projector=None`. Either
+    For a weight `w` of shape `(*batch, m, n)` and rank `r`, `matrix` has shape
+    `(*batch, m, r)` when `m <= n` and `(*batch, n, r)` otherwise (one projector per
+    slice of a stacked weight), a floating dtype (cast to `w`'s), and orthonormal
+    columns. When `refresh` is true, `matrix` is ignored (only its shape is read) and
+    a fresh projector comes from the range finder, as with `projector=None`. Either
     way, the projector used is a factor of the gradient: `grad.left` when `m <= n`,
-    `grad.right` otherwise; store it for the next steps.
+    `grad.right` otherwise (`grad.projector_side` says which); store it for the next
+    steps.
 
     **Arguments:**
 
-    - `matrix`: floating array `(min(m, n), r)`.
-    - `refresh`: a bool scalar (Python or traced).
+    - `matrix`: floating array `(*batch, min(m, n), r)`.
+    - `refresh`: a bool scalar (Python or traced), shared by every slice.
     """
 
-    matrix: Float[Array, "side rank"]
+    matrix: Float[Array, "*batch side rank"]
     refresh: Bool[Array, ""]
 
-    def __init__(self, matrix: Float[ArrayLike, "side rank"], refresh: Any):
+    def __init__(self, matrix: Float[ArrayLike, "*batch side rank"], refresh: Any):
         self.matrix = jnp.asarray(matrix)
         self.refresh = jnp.asarray(refresh)
         if self.refresh.shape != () or self.refresh.dtype != jnp.bool_:
@@ -83,17 +86,23 @@ class Projector(eqx.Module):
             )
 
     @classmethod
-    def init(cls, shape: tuple[int, int], rank: int, dtype: Any) -> "Projector":
-        """A placeholder (zeros) that asks for a fresh projector on first use."""
-        m, n = shape
-        return cls(jnp.zeros((min(m, n), rank), dtype), True)
+    def init(cls, shape: tuple[int, ...], rank: int, dtype: Any) -> "Projector":
+        """A placeholder (zeros) that asks for a fresh projector on first use, for a
+        weight of `shape` `(*batch, m, n)`."""
+        if len(shape) < 2:
+            raise ValueError(
+                f"`shape` must be (*batch, m, n), got {tuple(shape)}: a projector "
+                "belongs to a matrix or a stack of them."
+            )
+        *batch, m, n = shape
+        return cls(jnp.zeros((*batch, min(m, n), rank), dtype), True)
 
 
 # ---------------------------------------------------------------------------------------
 # Public marks
 
 
-def factored_cotangent(w: Float[Array, "m n"]) -> Float[Array, "m n"]:
+def factored_cotangent(w: Float[Array, "*batch m n"]) -> Float[Array, "*batch m n"]:
     """The identity on a weight `w`, whose cotangent is the exact low-rank `X^T C`.
 
     Under `quax_tangents.grad`, `value_and_grad` and `vjp`, every use of `w` in a
@@ -106,9 +115,12 @@ def factored_cotangent(w: Float[Array, "m n"]) -> Float[Array, "m n"]:
     `w` in any other operation adds a dense cotangent, and the sum is dense
     (counted). Elsewhere (plain `jax.grad`) it is the dense gradient.
 
+    A stacked weight `(*batch, m, n)` (the blocks of a scanned model) is handled
+    slice by slice: its cotangent is a `LowRank` with `batch_ndim == len(batch)`.
+
     **Arguments:**
 
-    - `w`: floating array `(m, n)`.
+    - `w`: floating array `(*batch, m, n)`.
 
     **Returns:**
 
@@ -119,34 +131,40 @@ def factored_cotangent(w: Float[Array, "m n"]) -> Float[Array, "m n"]:
 
 
 def projected_cotangent(
-    w: Float[Array, "m n"],
+    w: Float[Array, "*batch m n"],
     rank: int,
     *,
-    projector: Float[ArrayLike, "side rank"] | Projector | None = None,
+    projector: Float[ArrayLike, "*batch side rank"] | Projector | None = None,
     key: PRNGKeyArray | None = None,
     iters: int = 1,
-) -> Float[Array, "m n"]:
+) -> Float[Array, "*batch m n"]:
     """The identity on a weight `w`, whose cotangent is the projection of its gradient
     `G` onto a rank-`rank` subspace of its smaller side, as in GaLore.
 
     Under `quax_tangents.grad`, `value_and_grad` and `vjp` the cotangent comes back
     as a `LowRank`: for `m <= n`, `LowRank(left=P, right=G^T P)` with `P` `(m, rank)`
     orthonormal (so the dense array is `P P^T G`); for `m > n`,
-    `LowRank(left=G Q, right=Q)` with `Q` `(n, rank)` (the array `G Q Q^T`). Where `w`
-    meets `dot_general`, `G = X^T C` is used only through `G v = X^T (C v)` and
+    `LowRank(left=G Q, right=Q)` with `Q` `(n, rank)` (the array `G Q Q^T`). Its
+    `projector_side` is `"left"` or `"right"` accordingly. Where `w` meets
+    `dot_general`, `G = X^T C` is used only through `G v = X^T (C v)` and
     `G^T u = C^T (X u)`, `O(b (m + n) rank)` each: the `m x n` gradient is never
     formed. Uses of `w` elsewhere (weight decay, a tied embedding) add a dense term
     (counted); the result is then the projection of the dense total, never a
     different array. Elsewhere (plain `jax.grad`) it is the same projection, dense.
 
+    A stacked weight `(*batch, m, n)` is projected slice by slice, with one projector
+    per slice (`(*batch, min(m, n), rank)`) and, for fresh projectors, one key per
+    slice split from `key`; the `LowRank` then has `batch_ndim == len(batch)`.
+
     **Arguments:**
 
-    - `w`: floating array `(m, n)`.
+    - `w`: floating array `(*batch, m, n)`.
     - `rank`: the rank `r`, `1 <= r <= min(m, n)`.
     - `projector`: `None` for a fresh projector from a randomized range finder on the
-        implicit gradient; an array `(min(m, n), r)` of `w`'s dtype with orthonormal
-        columns, used exactly (it is the `P`/`Q` factor of the result); or a
-        `Projector`, which picks between the two with a traced bool.
+        implicit gradient; a floating array `(*batch, min(m, n), r)` with orthonormal
+        columns, cast to `w`'s dtype and used exactly (it is the `P`/`Q` factor of
+        the result); or a `Projector`, which picks between the two with a traced
+        bool.
     - `key`: PRNG key of the range finder's test matrix; `None` uses
         `jax.random.key(0)`.
     - `iters`: power iterations of the range finder.
@@ -155,13 +173,13 @@ def projected_cotangent(
 
     `w`.
     """
-    m, n = _check_matrix("w", w)
+    batch, (m, n) = _check_matrix("w", w)
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `w` {(m, n)}"
     )
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
-    key_data, key_impl = _key_data(key)
+    key_data, key_impl = _key_data(key, batch)
     if projector is None:
         source, operands = "fresh", (key_data,)
     elif isinstance(projector, Projector):
@@ -173,7 +191,9 @@ def projected_cotangent(
     return _mark(spec, w, operands)
 
 
-def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
+def sparse_rows_cotangent(
+    table: Float[Array, "*batch V d"],
+) -> Float[Array, "*batch V d"]:
     """The identity on an embedding table, whose cotangent keeps only the rows read.
 
     Under `quax_tangents.grad`, `value_and_grad` and `vjp`, where `table` is read by
@@ -185,9 +205,12 @@ def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
     add a dense cotangent, and the sum is dense (counted). Elsewhere (plain
     `jax.grad`) it is the dense gradient.
 
+    A stacked table `(*batch, V, d)`, sliced by `lax.scan`, gives a `SparseRows` with
+    `indices` `(*batch, k)`: the rows each slice reads.
+
     **Arguments:**
 
-    - `table`: floating array `(V, d)`.
+    - `table`: floating array `(*batch, V, d)`.
 
     **Returns:**
 
@@ -201,48 +224,60 @@ def sparse_rows_cotangent(table: Float[Array, "V d"]) -> Float[Array, "V d"]:
 # Input checks
 
 
-def _check_matrix(name: str, w: Any) -> tuple[int, int]:
+def _check_matrix(name: str, w: Any) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """`(batch, (m, n))` of a floating `(*batch, m, n)` weight."""
     if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
         raise TypeError(
             f"`{name}` has dtype {jnp.result_type(w)}; only floating arrays have "
             "cotangents. Mark the floating weight, not the indices."
         )
-    if jnp.ndim(w) != 2:
+    if jnp.ndim(w) < 2:
         raise ValueError(
-            f"`{name}` must be a matrix (2 dims), got shape {jnp.shape(w)}. Mark "
-            "each 2-d weight separately; leave biases and norms unmarked."
+            f"`{name}` must be a matrix or a stack of them (*batch, m, n), got shape "
+            f"{jnp.shape(w)}. Leave biases and norms unmarked."
         )
-    m, n = jnp.shape(w)
-    return m, n
+    *batch, m, n = jnp.shape(w)
+    return tuple(batch), (m, n)
 
 
 def _check_projector(matrix: Any, w: Any, rank: int) -> Any:
-    m, n = jnp.shape(w)
-    expected = (min(m, n), rank)
+    *batch, m, n = jnp.shape(w)
+    expected = (*batch, min(m, n), rank)
     if jnp.shape(matrix) != expected:
         raise ValueError(
-            f"`projector` has shape {jnp.shape(matrix)}, but `w` of shape {(m, n)} at "
-            f"rank {rank} needs {expected}: (rows of w, rank) when m <= n, "
-            "(columns of w, rank) otherwise."
+            f"`projector` has shape {jnp.shape(matrix)}, but `w` of shape "
+            f"{jnp.shape(w)} at rank {rank} needs {expected}: (*batch, rows of w, "
+            "rank) when m <= n, (*batch, columns of w, rank) otherwise."
         )
-    if jnp.result_type(matrix) != jnp.result_type(w):
+    if not jnp.issubdtype(jnp.result_type(matrix), jnp.floating):
         raise TypeError(
-            f"`projector` has dtype {jnp.result_type(matrix)} but `w` has "
-            f"{jnp.result_type(w)}; cast the projector to the weight's dtype."
+            f"`projector` has dtype {jnp.result_type(matrix)}; it must be a floating "
+            "array with orthonormal columns."
         )
-    return matrix
+    # A projector kept in another float dtype (an f32 optimizer state for a bf16
+    # weight) is cast; the result's projector factor is in the weight's dtype.
+    return jnp.asarray(matrix).astype(jnp.result_type(w))
 
 
-def _key_data(key: Any) -> tuple[Any, str]:
+def _key_data(key: Any, batch: tuple[int, ...] = ()) -> tuple[Any, str]:
+    """The raw data of `key` (one key split per slice of a stacked weight) and the
+    name of its implementation."""
     key = jax.random.key(0) if key is None else key
-    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-        return jax.random.key_data(key), str(jax.random.key_impl(key))
-    if jnp.shape(key) != (2,) or jnp.result_type(key) != jnp.uint32:
+    if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        if jnp.shape(key) != (2,) or jnp.result_type(key) != jnp.uint32:
+            raise TypeError(
+                "`key` must be a PRNG key (`jax.random.key(seed)`), got "
+                f"{jnp.result_type(key)}{list(jnp.shape(key))}."
+            )
+        key = jax.random.wrap_key_data(key, impl="threefry2x32")
+    if jnp.shape(key) != ():
         raise TypeError(
-            "`key` must be a PRNG key (`jax.random.key(seed)`), got "
-            f"{jnp.result_type(key)}{list(jnp.shape(key))}."
+            f"`key` must be a single PRNG key, got a batch of shape {jnp.shape(key)}."
         )
-    return key, "threefry2x32"
+    impl = str(jax.random.key_impl(key))
+    if batch:
+        key = jax.random.split(key, math.prod(batch)).reshape(batch)
+    return jax.random.key_data(key), impl
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,26 +402,81 @@ ad.primitive_jvps[mark_p] = _mark_jvp
 
 
 class Marked(quax.ArrayValue):
-    """A marked weight inside the inner trace: `array` (or its transpose)."""
+    """A marked weight inside the inner trace: `array` `(*batch, m, n)` (or its
+    transpose in the last two dims), seen in `compute_dtype` when a cast was applied
+    (`None`: `array`'s own dtype).
+
+    `view`, when set, is `(rows, cols, perm)`: the weight is seen as the array
+    `(*batch, *rows, *cols)` that `array` reshapes to (`prod(rows) == m`,
+    `prod(cols) == n`), transposed by `perm` (a reshape that splits or merges one
+    side, such as `(d, h * k)` to `(d, h, k)`, keeps the mark).
+
+    Its cotangent stays compressed where it meets `dot_general` (and a row gather for
+    a row mark); every other use takes the weight itself and makes its cotangent
+    dense, counted as a densification of `Marked`.
+    """
 
     array: Array
     kind: str = eqx.field(static=True)
     transposed: bool = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True, default=None)
+    view: tuple | None = eqx.field(static=True, default=None)
 
     def aval(self) -> jax.core.ShapedArray:
         shape = jnp.shape(self.array)
-        return jax.core.ShapedArray(
-            shape[::-1] if self.transposed else shape, self.array.dtype
-        )
+        if self.view is not None:
+            rows, cols, perm = self.view
+            canonical = shape[:-2] + tuple(rows) + tuple(cols)
+            shape = tuple(canonical[p] for p in perm)
+        elif self.transposed:
+            shape = shape[:-2] + shape[-2:][::-1]
+        return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
 
     def materialise(self) -> Array:
-        return self.array.T if self.transposed else self.array
+        return seen(self.array, self.transposed, self.compute_dtype, self.view)
+
+    def replace(self, **changes: Any) -> "Marked":
+        fields = dict(
+            array=self.array,
+            kind=self.kind,
+            transposed=self.transposed,
+            compute_dtype=self.compute_dtype,
+            view=self.view,
+        )
+        return Marked(**{**fields, **changes})
+
+    def statics(self) -> dict[str, Any]:
+        """Everything but `array`: `Marked(array, **statics)` rebuilds it."""
+        return dict(
+            kind=self.kind,
+            transposed=self.transposed,
+            compute_dtype=self.compute_dtype,
+            view=self.view,
+        )
 
     @staticmethod
     def default(primitive: jexc.Primitive, values: Any, params: dict) -> Any:
-        # The weight itself: an identity, not a densification.
+        # The weight itself, exactly; but its cotangent from this use is dense.
+        if any(isinstance(v, Marked) for v in values):
+            _fallback.record_densification(
+                primitive.name,
+                ("Marked",),
+                "a use of a marked weight other than a matmul (or a row gather of a "
+                "row-marked table) gives it a dense cotangent",
+            )
         arrays = [v.materialise() if isinstance(v, Marked) else v for v in values]
         return primitive.bind(*arrays, **params)
+
+
+def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array:
+    """The array a marked weight `array` is seen as (see `Marked`)."""
+    if view is not None:
+        rows, cols, perm = view
+        array = array.reshape(array.shape[:-2] + tuple(rows) + tuple(cols))
+        array = jnp.transpose(array, perm)
+    elif transposed:
+        array = jnp.swapaxes(array, -1, -2)
+    return array if cast is None else array.astype(cast)
 
 
 @rule(mark_p)
@@ -394,10 +484,28 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
     return Marked(_finished(spec, w, *operands), spec.kind, False)
 
 
-@rule(jax.lax.transpose_p)
-def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Marked:
-    flip = tuple(permutation) == (1, 0)
-    return Marked(w.array, w.kind, w.transposed != flip)
+@rule(jax.lax.transpose_p, dense_output=True)
+def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
+    if w.view is not None:
+        return _marked_views.transpose_view(w, tuple(permutation))
+    nb = w.ndim - 2
+    batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
+    if batch != tuple(range(nb)):
+        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
+    return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
+
+
+@rule(jax.lax.convert_element_type_p, dense_output=True)
+def _convert_marked(w: Marked, *, new_dtype: Any, **params: Any) -> Any:
+    """A floating cast (a bf16 compute copy of an f32 weight) keeps the mark: the
+    products use the cast weight, and the gradient's factors are cast back to the
+    weight's dtype."""
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return Marked.default(
+            jax.lax.convert_element_type_p, (w,), dict(new_dtype=new_dtype, **params)
+        )
+    same = jnp.dtype(new_dtype) == w.array.dtype
+    return w.replace(compute_dtype=None if same else jnp.dtype(new_dtype))
 
 
 # ---------------------------------------------------------------------------------------
@@ -406,14 +514,18 @@ def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Marked:
 
 @dataclasses.dataclass(frozen=True)
 class _Dot:
-    """A `dot_general` whose operand `w_is_lhs` is the (maybe transposed) weight."""
+    """A `dot_general` whose operand `w_is_lhs` is the (maybe transposed, maybe cast)
+    weight with `batch_ndim` leading batch dims."""
 
     params: tuple
     w_is_lhs: bool
     transposed: bool
+    batch_ndim: int = 0
+    cast: Any = None
 
     def bind(self, x: Any, w: Any) -> Any:
-        w = w.T if self.transposed else w
+        w = jnp.swapaxes(w, -1, -2) if self.transposed else w
+        w = w if self.cast is None else w.astype(self.cast)
         lhs, rhs = (w, x) if self.w_is_lhs else (x, w)
         return jax.lax.dot_general_p.bind(lhs, rhs, **dict(self.params))
 
@@ -428,42 +540,62 @@ def _dot_bwd(dot: _Dot, residuals: tuple, ct: Any) -> tuple:
     (ct_x,) = pullback(ct)
     a, b = _gradient_factors(dot, x, ct)
     a, b = a.astype(w.dtype), b.astype(w.dtype)
-    return ct_x, outer_sum_p.bind(a, b)
+    return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
 
 
 _factored_dot = jax.custom_vjp(_Dot.bind, nondiff_argnums=(0,))
 _factored_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
+def _dims(dot: _Dot) -> tuple[tuple, tuple, tuple, tuple]:
+    """`(x's contracting, w's contracting, x's batch, w's batch)` dims."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = dict(dot.params)["dimension_numbers"]
+    if dot.w_is_lhs:
+        return tuple(rhs_c), tuple(lhs_c), tuple(rhs_b), tuple(lhs_b)
+    return tuple(lhs_c), tuple(rhs_c), tuple(lhs_b), tuple(rhs_b)
+
+
 def _contraction(dot: _Dot) -> tuple[int, int] | None:
     """`(x's contracting dim, w's contracting dim)` when the dot contracts exactly
-    one dim of the weight and has no batch dims; otherwise `None`."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = dict(dot.params)["dimension_numbers"]
-    if lhs_b or rhs_b or len(lhs_c) != 1:
+    one matrix dim of the weight and its batch dims are exactly the weight's batch
+    dims, in order; otherwise `None`."""
+    x_c, w_c, _, w_b = _dims(dot)
+    nb = dot.batch_ndim
+    if w_b != tuple(range(nb)) or len(w_c) != 1 or w_c[0] < nb:
         return None
-    (w_c, x_c) = (lhs_c[0], rhs_c[0]) if dot.w_is_lhs else (rhs_c[0], lhs_c[0])
-    return x_c, w_c
+    return x_c[0], w_c[0]
 
 
 def _gradient_factors(dot: _Dot, x: Array, ct: Array) -> tuple[Array, Array]:
-    """`(a, b)` with the weight's gradient `a^T b`: `x` and `ct` flattened over the
-    rows that the product sums over."""
+    """`(a, b)` `(*batch, R, .)` with the weight's gradient `a^T b` per batch
+    element: `x` and `ct` flattened over the rows that the product sums over."""
     contraction = _contraction(dot)
     assert contraction is not None
     x_c, w_c = contraction
-    rows_x = jnp.moveaxis(x, x_c, -1)
-    rows_x = rows_x.reshape(-1, rows_x.shape[-1])
-    # The weight's free dim is the output's first (w on the left) or last dim.
-    rows_ct = jnp.moveaxis(ct, 0, -1) if dot.w_is_lhs else ct
-    rows_ct = rows_ct.reshape(-1, rows_ct.shape[-1])
+    _, _, x_b, _ = _dims(dot)
+    nb = dot.batch_ndim
+    rows_x = jnp.moveaxis(x, (*x_b, x_c), (*range(nb), x.ndim - 1))
+    rows_x = rows_x.reshape(rows_x.shape[:nb] + (-1, rows_x.shape[-1]))
+    # The output is (*batch, lhs free, rhs free); the weight's one free dim comes
+    # first among the free dims (w on the left) or last.
+    rows_ct = jnp.moveaxis(ct, nb, -1) if dot.w_is_lhs else ct
+    rows_ct = rows_ct.reshape(rows_ct.shape[:nb] + (-1, rows_ct.shape[-1]))
     # The gradient of the operand (w or w.T) is x^T ct if its contracting dim comes
     # first, ct^T x otherwise; transposing the operand swaps them again.
-    x_first = (w_c == 0) != dot.transposed
+    x_first = (w_c == nb) != dot.transposed
     return (rows_x, rows_ct) if x_first else (rows_ct, rows_x)
 
 
 def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
-    dot = _Dot(tuple(sorted(params.items())), w_is_lhs, w.transposed)
+    if w.view is not None:
+        return _marked_views.dot_view(x, w, w_is_lhs, params)
+    dot = _Dot(
+        tuple(sorted(params.items())),
+        w_is_lhs,
+        w.transposed,
+        w.ndim - 2,
+        w.compute_dtype,
+    )
     if w.kind == "rows" or _contraction(dot) is None:
         return Marked.default(
             jax.lax.dot_general_p, (w, x) if w_is_lhs else (x, w), params
@@ -471,12 +603,12 @@ def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
     return _factored_dot(dot, x, w.array)
 
 
-@rule(jax.lax.dot_general_p)
+@rule(jax.lax.dot_general_p, dense_output=True)
 def _dot_dense_marked(x: ArrayLike, w: Marked, **params: Any) -> Array:
     return _dot_marked(x, w, False, params)
 
 
-@rule(jax.lax.dot_general_p)
+@rule(jax.lax.dot_general_p, dense_output=True)
 def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
     return _dot_marked(x, w, True, params)
 
@@ -531,12 +663,23 @@ _rows_gather = jax.custom_vjp(_Gather.bind, nondiff_argnums=(0,))
 _rows_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@rule(jax.lax.gather_p)
+@rule(jax.lax.gather_p, dense_output=True)
 def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
-    rows_read = table.kind == "rows" and not table.transposed
+    rows_read = (
+        table.kind == "rows"
+        and not table.transposed
+        and table.view is None
+        and table.ndim == 2
+    )
     if not rows_read or _row_position(params, table.shape) is None:
         return Marked.default(jax.lax.gather_p, (table, indices), params)
-    return _rows_gather(_Gather(tuple(sorted(params.items()))), table.array, indices)
+    gather = _Gather(tuple(sorted(params.items())))
+    return _cast(_rows_gather(gather, table.array, indices), table.compute_dtype)
+
+
+def _cast(x: Array, dtype: Any) -> Array:
+    # Reading rows then casting them equals casting the table then reading it.
+    return x if dtype is None else x.astype(dtype)
 
 
 # A single row read with a scalar index (`table[i]`, `equinox.nn.Embedding` outside
@@ -564,12 +707,22 @@ _rows_slice = jax.custom_vjp(_slice_row)
 _rows_slice.defvjp(_slice_fwd, _slice_bwd)
 
 
-@rule(jax.lax.dynamic_slice_p)
+@rule(jax.lax.dynamic_slice_p, dense_output=True)
 def _slice_marked(
     table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
 ) -> Array:
-    if table.kind != "rows" or table.transposed or slice_sizes != (1, table.shape[1]):
+    rows_read = (
+        table.kind == "rows"
+        and not table.transposed
+        and table.view is None
+        and table.ndim == 2
+    )
+    if not rows_read or tuple(slice_sizes) != (1, table.shape[1]):
         return Marked.default(
             jax.lax.dynamic_slice_p, (table, row, column), dict(slice_sizes=slice_sizes)
         )
-    return _rows_slice(table.array, row, column)
+    return _cast(_rows_slice(table.array, row, column), table.compute_dtype)
+
+
+# Reshaped views of a marked weight; imported last, as they build on `Marked`.
+from . import _marked_views  # noqa: E402

@@ -13,6 +13,7 @@ of code with marks computes the same numbers densely.
 """
 
 import dataclasses
+import functools as ft
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
 from ._fallback import record_densification
-from ._primitives import _outer_abstract, _outer_dense
+from ._primitives import _define as define_batched, _outer_abstract, _outer_dense
 from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
 from ._types.outer import OuterSum
@@ -39,19 +40,17 @@ def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> N
 
 
 # ---------------------------------------------------------------------------------------
-# outer_sum: (a, b) -> a^T b, the gradient of a weight from one dot_general use
+# outer_sum: (a, b) -> a^T b, the gradient of a weight from one dot_general use, for
+# `a` `(*batch, R, m)` and `b` `(*batch, R, n)` (one gradient per batch element)
 
 outer_sum_p = jexc.Primitive("outer_sum")
-_define(
-    outer_sum_p,
-    lambda a, b: _outer_dense(a, b, batch_ndim=0),
-    lambda a, b: _outer_abstract(a, b, batch_ndim=0),
-)
+define_batched(outer_sum_p, _outer_dense, _outer_abstract)
 
 
 @rule(outer_sum_p)
-def _outer_sum(a: ArrayLike, b: ArrayLike) -> OuterSum:
-    return OuterSum(jnp.asarray(a).T, jnp.asarray(b).T)
+def _outer_sum(a: ArrayLike, b: ArrayLike, *, batch_ndim: int) -> OuterSum:
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    return OuterSum(jnp.swapaxes(a, -1, -2), jnp.swapaxes(b, -1, -2))
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,13 +162,54 @@ def _projected(
         apply, apply_t, shape = apply_t, apply, (n, m)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source == "given":
-        basis_out = operands[0]  # exactly the projector given
+        basis_out = operands[0].astype(dtype)  # exactly the projector given
     else:
         basis_out = basis.astype(dtype)
     other = apply_t(basis).astype(dtype)
     # Computed, not user input: a NaN in the gradient flows on (see `_unchecked`).
-    left, right = (basis_out, other) if m <= n else (other, basis_out)
-    return unchecked(LowRank, left=left, right=right)
+    if m <= n:
+        return unchecked(LowRank, left=basis_out, right=other, projector_side="left")
+    return unchecked(LowRank, left=other, right=basis_out, projector_side="right")
+
+
+def _per_slice(spec: Finish) -> tuple[bool, ...]:
+    """Which operands of a projection hold one entry per slice of a stacked weight
+    (the projector and the key data); `refresh` is shared by every slice."""
+    return {"given": (True,), "fresh": (True,), "switch": (True, False, True)}[
+        spec.source
+    ]
+
+
+def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:
+    """`fn(*arrays, *operands)` for one matrix, mapped over `batch_ndim` leading
+    dims of the arrays and of the per-slice operands."""
+    axes = (0,) * arrays + tuple(0 if s else None for s in _per_slice(spec))
+    for _ in range(batch_ndim):
+        fn = jax.vmap(fn, in_axes=axes)
+    return fn
+
+
+def _project_factors(spec: Finish, left: Array, right: Array, *operands) -> LowRank:
+    apply, apply_t = _factor_products(left, right)
+    shape = (left.shape[0], right.shape[0])
+    return _projected(spec, operands, apply, apply_t, shape, left.dtype)
+
+
+def _project_dense(spec: Finish, g: Array, *operands: Array) -> LowRank:
+    apply, apply_t = _dense_products(g)
+    return _projected(spec, operands, apply, apply_t, g.shape, g.dtype)
+
+
+def project_outer(spec: Finish, ct: OuterSum, operands: tuple) -> LowRank:
+    """The projection of a (stacked) `OuterSum`, slice by slice."""
+    fn = _over_slices(ft.partial(_project_factors, spec), spec, 2, ct.batch_ndim)
+    return fn(ct.left, ct.right, *operands)
+
+
+def project_dense(spec: Finish, g: Array, operands: tuple) -> LowRank:
+    """The projection of a (stacked) dense gradient, slice by slice."""
+    fn = _over_slices(ft.partial(_project_dense, spec), spec, 1, g.ndim - 2)
+    return fn(g, *operands)
 
 
 def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:
@@ -187,8 +227,7 @@ def _dense_products(g: Array) -> tuple[Callable, Callable]:
 def _finish_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
     if spec.kind != "projected":
         return ct
-    apply, apply_t = _dense_products(ct)
-    return _projected(spec, operands, apply, apply_t, ct.shape, ct.dtype).materialise()
+    return project_dense(spec, ct, operands).materialise()
 
 
 def _finish_abstract(ct: Any, *operands: Any, spec: Finish) -> jax.core.ShapedArray:
@@ -224,34 +263,47 @@ def _finish_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Any:
     if spec.kind == "factored":
         return within_budget(finish_p, ct.left, ct.right)
     if spec.kind == "projected":
-        apply, apply_t = _factor_products(ct.left, ct.right)
-        return _projected(spec, operands, apply, apply_t, ct.shape, ct.dtype)
+        return project_outer(spec, ct, operands)
     record_densification(finish_p.name, ("OuterSum",), "a matmul of a row-marked table")
     return ct.materialise()
 
 
-@rule(finish_p)
+@rule(finish_p, dense_output=True)
 def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
-    # A dense total: some use of the weight had no compressed form (and was counted
-    # where it was added). A projection still compresses it.
+    # A dense total: some use of the weight had no compressed form. It is counted
+    # here, where the mark had to take a dense cotangent, whatever made it dense. A
+    # projection still compresses it.
     ct = jnp.asarray(ct)
+    record_densification(
+        finish_p.name, ("Marked",), "the marked weight's total cotangent is dense"
+    )
     if spec.kind != "projected":
         return ct
-    apply, apply_t = _dense_products(ct)
-    return _projected(spec, operands, apply, apply_t, ct.shape, ct.dtype)
+    return project_dense(spec, ct, operands)
 
 
 @rule(finish_p)
 def _finish_rows(ct: SparseRows, *operands: ArrayLike, spec: Finish) -> Any:
     if spec.kind != "rows":
         record_densification(finish_p.name, ("SparseRows",), "a row gather of a matrix")
-        return _finish_array(ct.materialise(), *operands, spec=spec)
+        dense = ct.materialise()
+        return (
+            project_dense(spec, dense, operands) if spec.kind == "projected" else dense
+        )
     return unique_rows(ct)
 
 
 def unique_rows(x: SparseRows) -> SparseRows:
-    """The same array with each row number stored once (duplicates summed), padded
-    with zero rows at row 0 to the same number of stored rows."""
-    ids, inverse = jnp.unique(x.indices, size=x.k, fill_value=0, return_inverse=True)
-    rows = jnp.zeros_like(x.rows).at[inverse.reshape(-1)].add(x.rows)
+    """The same array with each row number stored once per slice (duplicates
+    summed), padded with zero rows at row 0 to the same number of stored rows."""
+
+    def one(indices: Array, rows: Array) -> tuple[Array, Array]:
+        ids, inverse = jnp.unique(
+            indices, size=indices.shape[0], fill_value=0, return_inverse=True
+        )
+        return ids, jnp.zeros_like(rows).at[inverse.reshape(-1)].add(rows)
+
+    for _ in range(x.batch_ndim):
+        one = jax.vmap(one)
+    ids, rows = one(x.indices, x.rows)
     return SparseRows.build(ids, rows, x.num_rows)

@@ -210,11 +210,58 @@ def test_a_sum_without_a_projected_form_is_counted_and_projects_the_total():
     qt.reset_fallback_counts()
     with qt.fallback("silent"):
         grad = qt.grad(_decay_loss)(w, x, True)
-    assert qt.fallback_counts() == {("add_any", "OuterSum"): 1}
+    # The cause (a use that is not a matmul), the sum, and the dense total.
+    assert qt.fallback_counts() == {
+        ("integer_pow", "Marked"): 1,
+        ("add_any", "OuterSum"): 1,
+        ("finish", "Marked"): 1,
+    }
     assert isinstance(grad, qt.LowRank)
     total = jax.grad(_decay_loss)(w, x, False)
     assert_close(grad, _projection(total, grad))
     assert_close(jax.grad(_decay_loss)(w, x, True), grad)
+
+
+# Uses of a marked weight that give it a dense cotangent, and the primitive that does.
+DENSE_USES = {
+    "weight decay": (lambda w: 0.5 * jnp.sum(w**2), "integer_pow"),
+    "a reshape the mark cannot follow": (
+        lambda w: jnp.sum(jnp.sin(w.reshape(-1))),
+        "reshape",
+    ),
+    "a gather of a projected weight": (
+        lambda w: jnp.sum(jnp.sin(w[jnp.asarray([1, 3, 3])])),
+        "gather",
+    ),
+    "a contraction of both dims": (
+        lambda w: jnp.einsum("mn,mn->", w, w),
+        "dot_general",
+    ),
+}
+
+
+@pytest.mark.parametrize("use", DENSE_USES)
+def test_every_dense_cotangent_of_a_mark_is_counted(use):
+    fn, primitive = DENSE_USES[use]
+    w = random_array(0, (M, N))
+    p = _orthonormal(3, M, RANK)
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, RANK, projector=p)
+        return fn(w)
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError):
+        qt.grad(loss)(w, True)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(w, True)
+    # The use that made it dense, and the dense total the mark finished, even when
+    # nothing else was added to it.
+    counts = qt.fallback_counts()
+    assert counts[(primitive, "Marked")] >= 1 and counts[("finish", "Marked")] == 1
+    g = jax.grad(loss)(w, False)
+    assert_close(grad, p @ (p.T @ g))
 
 
 def test_two_matmuls_of_one_weight_add_up_without_densifying():
@@ -434,7 +481,11 @@ def test_a_tied_table_adds_a_dense_term_counted():
     qt.reset_fallback_counts()
     with qt.fallback("silent"):
         grad = qt.grad(loss)(table, True)
-    assert qt.fallback_counts() == {("add_any", "SparseRows"): 1}
+    assert qt.fallback_counts() == {
+        ("dot_general", "Marked"): 1,
+        ("add_any", "SparseRows"): 1,
+        ("finish", "Marked"): 1,
+    }
     assert_close(grad, jax.grad(loss)(table, False))
 
 
@@ -501,11 +552,13 @@ def test_bad_inputs_have_clear_errors():
         qt.projected_cotangent(w, 5)
     with pytest.raises(ValueError, match="`projector` has shape \\(6, 2\\)"):
         qt.projected_cotangent(w, 2, projector=jnp.ones((6, 2)))
-    with pytest.raises(TypeError, match="cast the projector"):
-        qt.projected_cotangent(w, 2, projector=jnp.ones((4, 2), jnp.float16))
-    with pytest.raises(ValueError, match="`w` must be a matrix"):
-        qt.projected_cotangent(jnp.ones((2, 3, 4)), 1)
-    with pytest.raises(ValueError, match="`w` must be a matrix"):
+    with pytest.raises(TypeError, match="`projector` has dtype int32"):
+        qt.projected_cotangent(w, 2, projector=jnp.ones((4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="`projector` has shape \\(4, 2\\)"):
+        qt.projected_cotangent(jnp.ones((3, 4, 6)), 2, projector=jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="`shape` must be \\(\\*batch, m, n\\)"):
+        qt.Projector.init((4,), 2, jnp.float32)
+    with pytest.raises(ValueError, match="`w` must be a matrix or a stack"):
         qt.factored_cotangent(jnp.ones(3))
     with pytest.raises(TypeError, match="`table` has dtype int32"):
         qt.sparse_rows_cotangent(jnp.ones((4, 6), jnp.int32))
@@ -525,3 +578,10 @@ def test_the_docs_page_runs():
     assert namespace["g_embedding"].k == 4
     assert isinstance(namespace["g_w"], qt.LowRank)
     assert namespace["projector"].matrix.shape == (32, 4)
+    g_blocks = namespace["g_blocks"]
+    assert g_blocks["w"].left.shape == (3, 16, 4)
+    assert g_blocks["v"].projector_side == "right"
+    assert g_blocks["v"].right.shape == (3, 16, 4)
+    assert namespace["g_chunked"]["w"].left.shape == (3, 16, 4)
+    assert namespace["g_bf16"].dtype == jnp.float32
+    assert namespace["g_sum"].rank == 4

@@ -82,8 +82,17 @@ def test_cond_with_sparse_of_different_k_stays_sparse():
 def test_cond_with_lowrank_of_different_rank_stays_lowrank():
     x = jnp.ones((6, 5))
     t = _lowrank(rank=1)
+
+    def branches(x):
+        # `y + y` keeps rank 1 (it shares a factor); a sum over a broadcast dim
+        # concatenates the copies' factors.
+        def doubled(y):
+            return jnp.sum(jnp.broadcast_to(y, (2, *y.shape)), axis=0)
+
+        return jax.lax.cond(x.sum() > 0, lambda y: y, doubled, x)
+
     with qt.fallback("error"):
-        _, out = qt.jvp(_branches_differ, (-x,), (t,))
+        _, out = qt.jvp(branches, (-x,), (t,))
     assert isinstance(out, qt.LowRank) and out.rank == 2
     assert_close(out, 2 * qt.materialise(t))
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -41,10 +42,16 @@ class LowRank(CompressedArray):
 
     - `left`: floating array of shape `(..., m, r)`.
     - `right`: floating array of shape `(..., n, r)`, same dtype and leading dims.
+    - `projector_side`: `"left"` when `left` is an orthonormal projector (the
+        `LowRank(P, G^T P)` of `projected_cotangent`), `"right"` when `right` is, or
+        `None` (the default). Static. Rules that keep the projection (a scalar
+        multiple, `neg`, a cast, the sum of two values with the same projector)
+        keep it; every other rule drops it.
     """
 
     left: Float[Array, "*batch m r"]
     right: Float[Array, "*batch n r"]
+    projector_side: str | None = eqx.field(static=True, default=None)
 
     def __check_init__(self) -> None:
         _validate.check_ndim("left", self.left, 2)
@@ -61,6 +68,11 @@ class LowRank(CompressedArray):
             )
         if left_shape[-1] < 1:
             raise ValueError("`left` and `right` must have rank r >= 1.")
+        if self.projector_side not in (None, "left", "right"):
+            raise ValueError(
+                "`projector_side` must be None, 'left' or 'right', got "
+                f"{self.projector_side!r}."
+            )
         _validate.check_finite("left", self.left)
         _validate.check_finite("right", self.right)
 
@@ -86,7 +98,11 @@ class LowRank(CompressedArray):
         if len({(v.shape, v.dtype) for v in values}) != 1:
             return None
         rank = max(v.rank for v in values)  # type: ignore[attr-defined]
-        return lambda x: x.pad_rank(rank)
+        sides = {v.projector_side for v in values}  # type: ignore[attr-defined]
+        side = sides.pop() if len(sides) == 1 else None
+        # A zero-padded projector is no longer orthonormal.
+        side = side if all(v.rank == rank for v in values) else None  # type: ignore[attr-defined]
+        return lambda x: x.pad_rank(rank).with_projector_side(side)
 
     def fit_carry(self, like: CompressedArray) -> "LowRank | None":
         if not isinstance(like, LowRank) or (like.shape, like.dtype) != (
@@ -94,7 +110,11 @@ class LowRank(CompressedArray):
             self.dtype,
         ):
             return None
-        if self.rank < like.rank:
+        if self.projector_side != like.projector_side:
+            if like.projector_side is not None:
+                return None  # the carry that enters must drop its side first
+            return self.with_projector_side(None).fit_carry(like)
+        if self.rank <= like.rank:
             return self.pad_rank(like.rank)
         action, _ = budget_settings()
         if action != "recompress":
@@ -109,12 +129,19 @@ class LowRank(CompressedArray):
         return _lowrank(*truncate(self.left, self.right, like.rank))
 
     def pad_rank(self, rank: int) -> "LowRank":
-        """The same array with factors zero-padded to `rank` columns."""
+        """The same array with factors zero-padded to `rank` columns (no longer a
+        projection: `projector_side` is dropped when columns are added)."""
         extra = rank - self.rank
         if extra <= 0:
             return self
         pad = [(0, 0)] * (self.left.ndim - 1) + [(0, extra)]
         return _lowrank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
+
+    def with_projector_side(self, side: str | None) -> "LowRank":
+        """The same factors with `projector_side` set to `side`."""
+        if side == self.projector_side:
+            return self
+        return _lowrank(self.left, self.right, side)
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
         # Exact: every device's factors side by side, rank `devices * r`.
@@ -228,9 +255,17 @@ def _range_finder(
 # Helpers shared by the rules
 
 
-def _lowrank(left: Array, right: Array) -> LowRank:
+def _lowrank(left: Array, right: Array, projector_side: str | None = None) -> LowRank:
     """A rule's output, built without value checks (see `_unchecked`)."""
-    return unchecked(LowRank, left=left, right=right)
+    return unchecked(LowRank, left=left, right=right, projector_side=projector_side)
+
+
+def _scale_other(x: LowRank, fn: Any) -> LowRank:
+    """`fn` applied to the factor that is not the projector (`left` when there is
+    none): the same linear map of the array, keeping `projector_side`."""
+    if x.projector_side == "left":
+        return _lowrank(x.left, fn(x.right), "left")
+    return _lowrank(fn(x.left), x.right, x.projector_side)
 
 
 def _dense_from_factors(primitive: Any, result: Array, reason: str) -> Array:
@@ -297,7 +332,7 @@ def _broadcast_factors(x: LowRank, shape: tuple[int, ...]) -> tuple[Array, Array
 
 @rule(jax.lax.neg_p)
 def _neg(x: LowRank) -> LowRank:
-    return _lowrank(-x.left, x.right)
+    return _scale_other(x, jnp.negative)
 
 
 @rule(jax.lax.copy_p)
@@ -314,7 +349,9 @@ def _convert(x: LowRank, *, new_dtype: Any, **params: Any) -> LowRank | Array:
             dict(new_dtype=new_dtype, **params),
             reason="a non-floating result has no tangent-like low-rank form",
         )
-    return _lowrank(x.left.astype(new_dtype), x.right.astype(new_dtype))
+    return _lowrank(
+        x.left.astype(new_dtype), x.right.astype(new_dtype), x.projector_side
+    )
 
 
 @rule(jax.lax.mul_p, commutative=True)
@@ -326,7 +363,7 @@ def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     """
     y = jnp.asarray(y)
     if y.ndim == 0:
-        return _lowrank(x.left * y.astype(x.dtype), x.right)
+        return _scale_other(x, lambda f: f * y.astype(x.dtype))
     out_shape = jnp.broadcast_shapes(x.shape, y.shape)
     rows, cols = y.shape[-2:] if y.ndim >= 2 else (1, y.shape[-1])
     if rows != 1 and cols != 1:
@@ -345,6 +382,23 @@ def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     return _lowrank(left, right)
 
 
+def _shared_factor_sum(x: LowRank, y: LowRank, primitive: Any) -> LowRank | None:
+    """`LowRank(P, A) + LowRank(P, B) = LowRank(P, A + B)`, exact at the same rank,
+    when both operands hold the same factor object `P` (the same traced array: one
+    projector shared by both, as in gradient accumulation). No values compared."""
+    if x.shape != y.shape or x.rank != y.rank:
+        return None
+    sign = -1 if primitive is jax.lax.sub_p else 1
+    side = x.projector_side if x.projector_side == y.projector_side else None
+    if x.left is y.left:
+        kept = "left" if side == "left" else None
+        return _lowrank(x.left, x.right + sign * y.right, kept)
+    if x.right is y.right:
+        kept = "right" if side == "right" else None
+        return _lowrank(x.left + sign * y.left, x.right, kept)
+    return None
+
+
 @rule(add_any_p, jax.lax.add_p, jax.lax.sub_p)
 def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
     """Concatenates the factors; broadcasting size-1 dims first (`lax.add` allows
@@ -354,6 +408,9 @@ def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
             f"`{primitive.name}` of LowRank {x.dtype}{list(x.shape)} and LowRank "
             f"{y.dtype}{list(y.shape)}: dtypes must match; cast one first."
         )
+    shared = _shared_factor_sum(x, y, primitive)
+    if shared is not None:
+        return shared
     shape = jnp.broadcast_shapes(x.shape, y.shape)
     (x_left, x_right), (y_left, y_right) = (
         _broadcast_factors(x, shape),
@@ -397,9 +454,11 @@ def _transpose(x: LowRank, *, permutation: tuple[int, ...]) -> LowRank | Array:
     factor_perm = batch_perm + (nb, nb + 1)
     left = jnp.transpose(x.left, factor_perm)
     right = jnp.transpose(x.right, factor_perm)
+    side = x.projector_side
     if matrix_perm == (nb, nb + 1):
-        return _lowrank(left, right)
-    return _lowrank(right, left)
+        return _lowrank(left, right, side)
+    swapped = {"left": "right", "right": "left"}.get(side) if side else None
+    return _lowrank(right, left, swapped)
 
 
 @rule(jax.lax.reshape_p)

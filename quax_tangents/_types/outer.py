@@ -11,6 +11,9 @@ the few products the finishing step takes of it.
 Every rule this representation registers lives in this file.
 """
 
+import math
+from typing import Any
+
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -23,23 +26,28 @@ from .._registry import rule
 
 
 class OuterSum(CompressedArray):
-    """The matrix `left @ right.T` of shape `(m, n)`, a sum of `B` outer products.
+    """The matrix `left @ right.T` of shape `(*batch, m, n)`, a sum of `B` outer
+    products per batch element.
 
     **Arguments:**
 
-    - `left`: floating array `(m, B)`.
-    - `right`: floating array `(n, B)` of the same dtype.
+    - `left`: floating array `(*batch, m, B)`.
+    - `right`: floating array `(*batch, n, B)` of the same dtype and leading dims.
     """
 
-    left: Float[Array, "m B"]
-    right: Float[Array, "n B"]
+    left: Float[Array, "*batch m B"]
+    right: Float[Array, "*batch n B"]
+
+    @property
+    def batch_ndim(self) -> int:
+        return self.left.ndim - 2
 
     def aval(self) -> jax.core.ShapedArray:
-        shape = (self.left.shape[0], self.right.shape[0])
+        shape = self.left.shape[:-1] + self.right.shape[-2:-1]
         return jax.core.ShapedArray(shape, self.left.dtype)
 
     def materialise(self) -> Array:
-        return self.left @ self.right.T
+        return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
 
 
 @rule(add_any_p)
@@ -65,3 +73,26 @@ def _add_any_dense_right(x: OuterSum, y: ArrayLike) -> Array:
 @rule(add_any_p, dense_output=True)
 def _add_any_dense_left(y: ArrayLike, x: OuterSum) -> Array:
     return _plus_dense(x, y)
+
+
+@rule(jax.lax.reduce_sum_p)
+def _reduce_sum(x: OuterSum, *, axes: tuple[int, ...], **params: Any) -> Any:
+    """A sum over batch dims is one sum of outer products holding every term (the
+    iterations of a scan, summed): the factors side by side."""
+    nb = x.batch_ndim
+    axes = tuple(sorted(a % x.ndim for a in axes))
+    if any(a >= nb for a in axes):
+        return densify(
+            jax.lax.reduce_sum_p,
+            [x],
+            dict(axes=axes, **params),
+            reason="a sum over a matrix dim",
+        )
+    keep = [a for a in range(nb) if a not in axes]
+    terms = x.left.shape[-1] * math.prod(x.shape[a] for a in axes)
+
+    def merge(factor: Array) -> Array:
+        moved = jnp.transpose(factor, (*keep, nb, *axes, nb + 1))
+        return moved.reshape(moved.shape[: len(keep) + 1] + (terms,))
+
+    return OuterSum(merge(x.left), merge(x.right))

@@ -26,35 +26,38 @@ _INDEX_DTYPE = jnp.int32
 
 
 class SparseRows(CompressedArray):
-    """The array of shape `(num_rows, *row_shape)` that is zero except for the stored
-    rows: row `indices[i]` holds `rows[i]`. Duplicate indices add up.
+    """The array of shape `(*batch, num_rows, *row_shape)` that is zero except for the
+    stored rows: row `indices[..., i]` holds `rows[..., i, :]`. Duplicate indices add
+    up.
 
-    Storage is `k * (prod(row_shape) * itemsize + 4)` bytes for `k` stored rows,
+    Leading dims of `indices` are batch dims (a stacked table's cotangent: one set
+    of stored rows per slice); `rows` shares them. Storage is
+    `k * (prod(row_shape) * itemsize + 4)` bytes per slice for `k` stored rows,
     instead of `num_rows * prod(row_shape) * itemsize`.
 
     **Arguments:**
 
-    - `indices`: integer array `(k,)` of row numbers in `[0, num_rows)`; stored as
-        int32.
-    - `rows`: floating array `(k, *row_shape)`.
-    - `num_rows`: the number of rows of the dense array.
+    - `indices`: integer array `(*batch, k)` of row numbers in `[0, num_rows)`;
+        stored as int32.
+    - `rows`: floating array `(*batch, k, *row_shape)`.
+    - `num_rows`: the number of rows of each dense slice.
     """
 
-    indices: Int[Array, " k"]
-    rows: Float[Array, "k *row_shape"]
+    indices: Int[Array, "*batch k"]
+    rows: Float[Array, "..."]
     num_rows: int = eqx.field(static=True)
 
     def __init__(
         self,
-        indices: Int[ArrayLike, " k"],
-        rows: Float[ArrayLike, "k *row_shape"],
+        indices: Int[ArrayLike, "*batch k"],
+        rows: Float[ArrayLike, "..."],
         num_rows: int,
     ):
         raw = np.asarray(indices) if _validate.is_concrete(indices) else None
         indices, rows = jnp.asarray(indices), jnp.asarray(rows)
-        if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim != 1:
+        if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim < 1:
             raise TypeError(
-                f"`indices` must be a 1-d integer array of row numbers, got "
+                f"`indices` must be an integer array (*batch, k) of row numbers, got "
                 f"{indices.dtype}{list(indices.shape)}."
             )
         num_rows = _validate.check_positive_int("num_rows", num_rows)
@@ -70,10 +73,11 @@ class SparseRows(CompressedArray):
     def __check_init__(self) -> None:
         _validate.check_floating("rows", self.rows)
         _validate.check_ndim("rows", self.rows, 1)
-        if self.rows.shape[:1] != self.indices.shape:
+        if self.rows.shape[: self.indices.ndim] != self.indices.shape:
             raise ValueError(
                 f"`rows` has shape {self.rows.shape} but `indices` has shape "
-                f"{self.indices.shape}; `rows` must be (k, *row_shape) for k indices."
+                f"{self.indices.shape}; `rows` must be (*batch, k, *row_shape) for "
+                "indices (*batch, k)."
             )
         _validate.check_finite("rows", self.rows)
 
@@ -89,20 +93,25 @@ class SparseRows(CompressedArray):
         return out
 
     @property
+    def batch_ndim(self) -> int:
+        return self.indices.ndim - 1
+
+    @property
     def k(self) -> int:
-        """The number of stored rows."""
-        return self.indices.shape[0]
+        """The number of stored rows (per slice)."""
+        return self.indices.shape[-1]
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        return self.rows.shape[1:]
+        return self.rows.shape[self.indices.ndim :]
 
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray((self.num_rows, *self.row_shape), self.rows.dtype)
+        shape = (*self.indices.shape[:-1], self.num_rows, *self.row_shape)
+        return jax.core.ShapedArray(shape, self.rows.dtype)
 
     def materialise(self) -> Array:
-        zeros = jnp.zeros((self.num_rows, *self.row_shape), self.rows.dtype)
-        return zeros.at[self.indices].add(self.rows, mode="drop")
+        zeros = jnp.zeros(self.shape, self.rows.dtype)
+        return add_rows(zeros, self.indices, self.rows)
 
     @classmethod
     def join_branches(cls, values: Sequence[CompressedArray]) -> Any:
@@ -126,17 +135,20 @@ class SparseRows(CompressedArray):
         extra = k - self.k
         if extra <= 0:
             return self
-        pad_rows = [(0, extra)] + [(0, 0)] * len(self.row_shape)
+        nb = self.batch_ndim
+        pad_indices = [(0, 0)] * nb + [(0, extra)]
+        pad_rows = pad_indices + [(0, 0)] * len(self.row_shape)
         return SparseRows.build(
-            jnp.pad(self.indices, (0, extra)),
+            jnp.pad(self.indices, pad_indices),
             jnp.pad(self.rows, pad_rows),
             self.num_rows,
         )
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "SparseRows":
-        # Exact: every device's rows stacked, `devices * k` of them.
-        indices = gather_along(self.indices, axis_name, axis=0)
-        rows = gather_along(self.rows, axis_name, axis=0)
+        # Exact: every device's rows side by side, `devices * k` of them.
+        nb = self.batch_ndim
+        indices = gather_along(self.indices, axis_name, axis=nb)
+        rows = gather_along(self.rows, axis_name, axis=nb)
         if mean:
             rows = rows / jnp.asarray(axis_size(axis_name), rows.dtype)
         return SparseRows.build(indices, rows, self.num_rows)
@@ -145,10 +157,22 @@ class SparseRows(CompressedArray):
         if isinstance(other, CompressedArray):
             return super().inner(other)
         other = jnp.asarray(other)
-        if other.shape != self.shape:
+        if other.shape != self.shape or self.batch_ndim:
             return super().inner(other)
         # Only the stored rows meet nonzeros.
         return jnp.sum(jnp.conj(self.rows) * other[self.indices])
+
+
+def add_rows(dense: Array, indices: Array, rows: Array) -> Array:
+    """`dense` `(*batch, num_rows, ...)` with `rows[..., i, :]` added at row
+    `indices[..., i]` of each slice (out-of-range rows dropped)."""
+
+    def one(dense: Array, indices: Array, rows: Array) -> Array:
+        return dense.at[indices].add(rows, mode="drop")
+
+    for _ in range(indices.ndim - 1):
+        one = jax.vmap(one)
+    return one(dense, indices, rows)
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,9 +190,22 @@ def _row_factor(y: Array, x: SparseRows) -> Array | None:
     return y if y.shape[0] == 1 else y[x.indices]
 
 
+def _slice_factor(y: Array, x: SparseRows) -> Array | None:
+    """`_row_factor` for a stacked `x`: a scalar, or a `y` of `x`'s full shape read
+    at each slice's stored rows; `None` otherwise."""
+    if jnp.ndim(y) == 0:
+        return y
+    if y.shape != x.shape:
+        return None
+    read = lambda y, indices: y[indices]  # noqa: E731
+    for _ in range(x.batch_ndim):
+        read = jax.vmap(read)
+    return read(y, x.indices)
+
+
 def _scale(x: SparseRows, y: ArrayLike, params: dict) -> SparseRows | Array:
     y = jnp.asarray(y)
-    factor = _row_factor(y, x)
+    factor = _row_factor(y, x) if x.batch_ndim == 0 else _slice_factor(y, x)
     if factor is None or jnp.result_type(x.rows, y) != x.dtype:
         return densify(jax.lax.mul_p, [x, y], params, reason="the product broadcasts")
     return SparseRows.build(x.indices, x.rows * factor, x.num_rows)
@@ -210,9 +247,10 @@ def _concat(primitive: Any, x: SparseRows, y: SparseRows, sign: int) -> Any:
     if (x.shape, x.dtype) != (y.shape, y.dtype):
         return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
     rows = y.rows if sign > 0 else -y.rows
+    nb = x.batch_ndim
     return SparseRows.build(
-        jnp.concatenate([x.indices, y.indices]),
-        jnp.concatenate([x.rows, rows]),
+        jnp.concatenate([x.indices, y.indices], axis=nb),
+        jnp.concatenate([x.rows, rows], axis=nb),
         x.num_rows,
     )
 
@@ -237,7 +275,7 @@ def _plus_dense(primitive: Any, x: SparseRows, y: ArrayLike, sign: int = 1) -> A
         return densify(primitive, [x, y], {}, reason="shapes or dtypes differ")
     record_densification(primitive.name, ("SparseRows",), "a sum with a dense array")
     rows = x.rows if sign > 0 else -x.rows
-    return jnp.asarray(y).at[x.indices].add(rows, mode="drop")
+    return add_rows(jnp.asarray(y), x.indices, rows)
 
 
 @rule(add_any_p, dense_output=True)

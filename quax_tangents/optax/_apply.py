@@ -12,7 +12,7 @@ from jaxtyping import Array, PyTree
 from .._base import CompressedArray
 from .._fallback import record_densification
 from .._types.lowrank import LowRank
-from .._types.rows import SparseRows
+from .._types.rows import SparseRows, add_rows
 
 
 def is_compressed(x: Any) -> bool:
@@ -52,7 +52,7 @@ def _apply_low_rank(param: Array, update: LowRank) -> Array:
 
 
 def _apply_rows(param: Array, update: SparseRows) -> Array:
-    return param.at[update.indices].add(update.rows.astype(param.dtype), mode="drop")
+    return add_rows(param, update.indices, update.rows.astype(param.dtype))
 
 
 def _apply_leaf(param: Any, update: Any) -> Any:

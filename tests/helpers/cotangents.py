@@ -1,6 +1,8 @@
 """Cases of the rules behind the cotangent marks: the `OuterSum` type, the
 construction primitives of `quax_tangents._projection`, and the `Marked` weight."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,13 +19,23 @@ from tests.helpers.rows import rows_values
 
 
 @st.composite
-def outer_sums(draw, shape=None, dtype=None):
-    """An `OuterSum` of a drawn (or given) shape with 1..5 standard normal terms."""
+def batches(draw, max_ndim=2):
+    """Leading batch dims of a stacked weight: none, one or two."""
+    ndim = draw(st.integers(0, max_ndim))
+    return tuple(draw(st.integers(1, 3)) for _ in range(ndim))
+
+
+@st.composite
+def outer_sums(draw, shape=None, dtype=None, batch=None):
+    """An `OuterSum` `(*batch, m, n)` of a drawn (or given) shape with 1..5 standard
+    normal terms per batch element."""
+    batch = draw(batches()) if batch is None else batch
     m, n = shape or (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
     dtype = draw(float_dtypes()) if dtype is None else dtype
     terms, seed = draw(st.integers(1, 5)), draw(seeds())
     return OuterSum(
-        random_array(seed, (m, terms), dtype), random_array(seed + 1, (n, terms), dtype)
+        random_array(seed, (*batch, m, terms), dtype),
+        random_array(seed + 1, (*batch, n, terms), dtype),
     )
 
 
@@ -32,7 +44,7 @@ def _add_any():
     @st.composite
     def draw_case(draw):
         x = draw(outer_sums())
-        y = draw(outer_sums(x.shape, x.dtype))
+        y = draw(outer_sums(x.shape[-2:], x.dtype, x.shape[:-2]))
         return Case(add_any_p.bind, (x, y), x.dtype, OuterSum, factor=4.0)
 
     return draw_case()
@@ -60,13 +72,15 @@ def _add_any_left():
 def _outer_sum():
     @st.composite
     def draw_case(draw):
+        batch = draw(batches())
         rows, m, n = (draw(st.integers(1, 5)) for _ in range(3))
         dtype, seed = draw(float_dtypes()), draw(seeds())
         a, b = (
-            random_array(seed, (rows, m), dtype),
-            random_array(seed + 1, (rows, n), dtype),
+            random_array(seed, (*batch, rows, m), dtype),
+            random_array(seed + 1, (*batch, rows, n), dtype),
         )
-        return Case(outer_sum_p.bind, (a, b), dtype, OuterSum, factor=4.0)
+        fn = lambda a, b: outer_sum_p.bind(a, b, batch_ndim=len(batch))  # noqa: E731
+        return Case(fn, (a, b), dtype, OuterSum, factor=4.0)
 
     return draw_case()
 
@@ -90,15 +104,17 @@ def _rows():
 
 
 @st.composite
-def _finish_operands(draw, shape):
-    """A projection spec for a matrix of `shape` and its operands."""
+def _finish_operands(draw, shape, batch=()):
+    """A projection spec for a matrix of `shape` (stacked over `batch`) and its
+    operands: one projector and one key per slice, one `refresh` for all."""
     m, n = shape
     rank = draw(st.integers(1, min(m, n)))
     source = draw(st.sampled_from(["given", "fresh", "switch"]))
     iters = draw(st.integers(0, 2))
     spec = Finish("projected", rank=rank, iters=iters, source=source)
-    key = jax.random.key_data(jax.random.key(draw(seeds())))
-    projector = jnp.linalg.qr(random_array(draw(seeds()), (min(m, n), rank)))[0]
+    keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
+    key = jax.random.key_data(keys.reshape(batch))
+    projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, min(m, n), rank)))[0]
     refresh = jnp.asarray(draw(st.booleans()))
     operands = {
         "given": (projector,),
@@ -117,11 +133,12 @@ def _finish_outer():
     @st.composite
     def draw_case(draw):
         x = draw(outer_sums(dtype=jnp.float32))
+        m, n = x.shape[-2:]
         if draw(st.booleans()):
             # Factored: within the rank budget, an exact LowRank.
-            assume(x.left.shape[1] * sum(x.shape) < x.shape[0] * x.shape[1])
+            assume(x.left.shape[-1] * (m + n) < m * n)
             return Case(_finish_fn(Finish("factored")), (x,), out_type=qt.LowRank)
-        spec, operands = draw(_finish_operands(x.shape))
+        spec, operands = draw(_finish_operands((m, n), x.shape[:-2]))
         # The range finder sees the same matrix through different products.
         return Case(_finish_fn(spec), (x, *operands), out_type=qt.LowRank, factor=50.0)
 
@@ -132,12 +149,13 @@ def _finish_outer():
 def _finish_dense():
     @st.composite
     def draw_case(draw):
+        batch = draw(batches())
         shape = (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
-        g = random_array(draw(seeds()), shape)
+        g = random_array(draw(seeds()), (*batch, *shape))
         kind = draw(st.sampled_from(["factored", "rows", "projected"]))
         if kind != "projected":
             return Case(_finish_fn(Finish(kind)), (g,), out_type=jax.Array)
-        spec, operands = draw(_finish_operands(shape))
+        spec, operands = draw(_finish_operands(shape, batch))
         return Case(_finish_fn(spec), (g, *operands), out_type=qt.LowRank, factor=4.0)
 
     return draw_case()
@@ -156,7 +174,10 @@ def _finish_rows():
 
 
 @st.composite
-def _marked(draw, kind=None, transposed=None):
+def _marked(draw, kind=None, transposed=None, batch=None, cast=None):
+    """A `Marked` weight `(*batch, m, n)`, maybe transposed, maybe seen in another
+    float dtype."""
+    batch = draw(batches()) if batch is None else batch
     shape = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
     kind = (
         draw(st.sampled_from(["factored", "projected", "rows"]))
@@ -164,7 +185,9 @@ def _marked(draw, kind=None, transposed=None):
         else kind
     )
     transposed = draw(st.booleans()) if transposed is None else transposed
-    return Marked(random_array(draw(seeds()), shape), kind, transposed)
+    cast = draw(st.sampled_from([None, jnp.bfloat16])) if cast is None else cast
+    array = random_array(draw(seeds()), (*batch, *shape))
+    return Marked(array, kind, transposed, None if cast is False else cast)
 
 
 @case("mark_cotangent", "dense", "*dense")
@@ -182,29 +205,95 @@ def _mark():
 
 @case("transpose", "Marked")
 def _transpose():
-    def build(w):
-        return Case(lambda a: a.T, (w,), out_type=Marked)
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked())
+        nb = w.ndim - 2
+        # The last two dims swapped or kept; batch dims permuted (dense, counted).
+        batch = draw(st.permutations(range(nb))) if nb else []
+        matrix = draw(st.sampled_from([(nb, nb + 1), (nb + 1, nb)]))
+        permutation = (*batch, *matrix)
+        # Bound directly: `lax.transpose` skips the identity permutation.
+        fn = lambda a: jax.lax.transpose_p.bind(a, permutation=permutation)  # noqa: E731
+        out = Marked if list(batch) == list(range(nb)) else jax.Array
+        return Case(fn, (w,), w.dtype, out_type=out)
 
-    return _marked().map(build)
+    return draw_case()
+
+
+@case("convert_element_type", "Marked")
+def _convert():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked())
+        dtype = draw(
+            st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32])
+        )
+        # Bound directly: `lax.convert_element_type` skips a cast to the same dtype.
+        fn = lambda a: jax.lax.convert_element_type_p.bind(  # noqa: E731
+            a, new_dtype=jnp.dtype(dtype), weak_type=False, sharding=None
+        )
+        out = Marked if jnp.issubdtype(dtype, jnp.floating) else jax.Array
+        return Case(fn, (w,), jnp.bfloat16, out_type=out)
+
+    return draw_case()
+
+
+def _factorisations(n):
+    """Ways to write `n` as a product of one or two sizes."""
+    pairs = [(a, n // a) for a in range(2, n) if n % a == 0]
+    return [(n,), *pairs]
+
+
+@case("reshape", "Marked")
+def _reshape():
+    @st.composite
+    def draw_case(draw):
+        w = draw(_marked(kind=draw(st.sampled_from(["factored", "projected"]))))
+        *batch, m, n = w.array.shape
+        # Split the rows or the columns (kept as a view), or flatten (dense).
+        how = draw(st.sampled_from(["rows", "cols", "flatten"]))
+        if how == "flatten" or w.transposed:
+            sizes = (*batch, m * n)
+        elif how == "rows":
+            sizes = (*batch, *draw(st.sampled_from(_factorisations(m))), n)
+        else:
+            sizes = (*batch, m, *draw(st.sampled_from(_factorisations(n))))
+        if w.transposed:
+            sizes = (*batch, m * n)
+        # Bound directly: `lax.reshape` skips a reshape to the same shape.
+        fn = lambda a: jax.lax.reshape_p.bind(  # noqa: E731
+            a, new_sizes=sizes, dimensions=None, sharding=None
+        )
+        kept = how != "flatten" and not w.transposed and m * n > 1
+        return Case(fn, (w,), w.dtype, out_type=Marked if kept else None)
+
+    return draw_case()
 
 
 @st.composite
 def _dot(draw, marked_first):
     w = draw(_marked())
-    m, n = w.shape
-    # A contraction of either side of the weight, with one or two free dims.
+    nb = w.ndim - 2
+    m, n = w.shape[-2:]
+    batch = w.shape[:nb]
+    # A contraction of either matrix side of the weight, with one or two free dims
+    # of `x`; the weight's batch dims are the dot's batch dims.
     contract_first = draw(st.booleans())
     free_shape = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2))))
-    x = random_array(draw(seeds()), free_shape + ((m if contract_first else n),))
-    w_dim = 0 if contract_first else 1
+    x = random_array(
+        draw(seeds()), batch + free_shape + ((m if contract_first else n),)
+    )
+    w_dim = nb if contract_first else nb + 1
     x_dim = x.ndim - 1
+    batch_dims = (tuple(range(nb)), tuple(range(nb)))
     if marked_first:
-        dims = (((w_dim,), (x_dim,)), ((), ()))
+        dims = (((w_dim,), (x_dim,)), batch_dims)
         fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
-        return Case(fn, (w, x), out_type=jax.Array)
-    dims = (((x_dim,), (w_dim,)), ((), ()))
+        return Case(fn, (w, x), w.dtype, out_type=jax.Array)
+    dims = (((x_dim,), (w_dim,)), batch_dims)
     fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
-    return Case(fn, (x, w), out_type=jax.Array)
+    return Case(fn, (x, w), w.dtype, out_type=jax.Array)
 
 
 @case("dot_general", "dense", "Marked")
@@ -221,13 +310,13 @@ def _dot_left():
 def _gather():
     @st.composite
     def draw_case(draw):
-        w = draw(_marked(transposed=False))
+        w = draw(_marked(transposed=False, batch=()))
         ids_shape = tuple(
             draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2)))
         )
         ids = np.random.default_rng(draw(seeds())).integers(0, w.shape[0], ids_shape)
         fn = lambda table, i: jnp.take(table, i, axis=0)  # noqa: E731
-        return Case(fn, (w, jnp.asarray(ids)), out_type=jax.Array)
+        return Case(fn, (w, jnp.asarray(ids)), w.dtype, out_type=jax.Array)
 
     return draw_case()
 
@@ -236,10 +325,10 @@ def _gather():
 def _dynamic_slice():
     @st.composite
     def draw_case(draw):
-        w = draw(_marked(transposed=False))
+        w = draw(_marked(transposed=False, batch=()))
         row = jnp.asarray(draw(st.integers(-1, w.shape[0])), jnp.int32)
         size = (1, w.shape[1])
         fn = lambda table, r: jax.lax.dynamic_slice(table, (r, 0), size)  # noqa: E731
-        return Case(fn, (w, row), out_type=jax.Array)
+        return Case(fn, (w, row), w.dtype, out_type=jax.Array)
 
     return draw_case()

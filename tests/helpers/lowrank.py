@@ -11,8 +11,12 @@ from tests.helpers.cases import Case, bind_convert, bind_reshape, bind_transpose
 
 
 @st.composite
-def lowrank_values(draw, shape=None, dtype=None, rank=None, batch_dims=None):
-    """A LowRank of `shape` (or a drawn (*batch, m, n)) with standard normal factors."""
+def lowrank_values(
+    draw, shape=None, dtype=None, rank=None, batch_dims=None, projector_side=False
+):
+    """A LowRank of `shape` (or a drawn (*batch, m, n)) with standard normal factors
+    and a drawn `projector_side` (a tag: rules must carry it or drop it; the factor
+    it names is not made orthonormal, which no rule relies on)."""
     if shape is None:
         nb = draw(st.integers(0, 1)) if batch_dims is None else batch_dims
         shape = tuple(draw(st.integers(1, 3)) for _ in range(nb)) + (
@@ -25,7 +29,9 @@ def lowrank_values(draw, shape=None, dtype=None, rank=None, batch_dims=None):
     seed = draw(seeds())
     left = random_array(seed, (*lead, m, rank), dtype)
     right = random_array(seed + 1, (*lead, n, rank), dtype)
-    return qt.LowRank(left, right)
+    if projector_side is False:
+        projector_side = draw(st.sampled_from([None, "left", "right"]))
+    return qt.LowRank(left, right, projector_side=projector_side)
 
 
 def _within_budget_shape(draw, rank):

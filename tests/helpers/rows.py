@@ -11,23 +11,27 @@ from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, bind_convert, case
 
 
-def random_rows(seed, num_rows, row_size, k, dtype=jnp.float32):
-    """A `SparseRows` with `k` uniformly random (possibly repeated) row numbers and
-    standard normal rows, reproducible from `seed`."""
-    indices = np.random.default_rng(seed).integers(0, num_rows, k)
-    rows = random_array(seed + 1, (k, row_size), dtype)
+def random_rows(seed, num_rows, row_size, k, dtype=jnp.float32, batch=()):
+    """A `SparseRows` `(*batch, num_rows, row_size)` with `k` uniformly random
+    (possibly repeated) row numbers per slice and standard normal rows,
+    reproducible from `seed`."""
+    indices = np.random.default_rng(seed).integers(0, num_rows, (*batch, k))
+    rows = random_array(seed + 1, (*batch, k, row_size), dtype)
     return qt.SparseRows(indices, rows, num_rows)
 
 
 @st.composite
-def rows_values(draw, num_rows=None, row_size=None, dtype=None, k=None):
-    """A `SparseRows` of shape `(num_rows, row_size)` (drawn 1..6 each if `None`) with
-    `k` stored rows (drawn 1..6), duplicates likely."""
+def rows_values(draw, num_rows=None, row_size=None, dtype=None, k=None, batch=None):
+    """A `SparseRows` of shape `(*batch, num_rows, row_size)` (drawn 1..6 each if
+    `None`; `batch` none, one or two dims of 1..3) with `k` stored rows per slice
+    (drawn 1..6), duplicates likely."""
+    if batch is None:
+        batch = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2))))
     num_rows = draw(st.integers(1, 6)) if num_rows is None else num_rows
     row_size = draw(st.integers(1, 6)) if row_size is None else row_size
     dtype = draw(float_dtypes()) if dtype is None else dtype
     k = draw(st.integers(1, 6)) if k is None else k
-    return random_rows(draw(seeds()), num_rows, row_size, k, dtype)
+    return random_rows(draw(seeds()), num_rows, row_size, k, dtype, batch)
 
 
 def _unary(fn):
@@ -81,7 +85,7 @@ def _mul_left():
 @st.composite
 def _pair(draw, fn):
     x = draw(rows_values())
-    y = draw(rows_values(x.num_rows, x.shape[1], x.dtype))
+    y = draw(rows_values(x.num_rows, x.shape[-1], x.dtype, batch=x.shape[:-2]))
     return Case(fn, (x, y), x.dtype, qt.SparseRows, factor=2.0)
 
 

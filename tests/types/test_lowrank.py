@@ -475,3 +475,109 @@ def test_one_sided_broadcasting_jvp_is_dense_unless_broadcast_first():
         )
     assert isinstance(explicit, qt.LowRank)
     assert_close(explicit, expected)
+# projector_side and sums that share a factor
+
+
+def _shared(x, side, fresh_seed):
+    """A LowRank of `x`'s shape that holds `x`'s `side` factor object itself."""
+    other = random_array(fresh_seed, (x.right if side == "left" else x.left).shape)
+    other = other.astype(x.dtype)
+    if side == "left":
+        return qt.LowRank(x.left, other, projector_side=x.projector_side)
+    return qt.LowRank(other, x.right, projector_side=x.projector_side)
+
+
+@given(
+    lowrank_values(projector_side=None),
+    st.sampled_from(["left", "right"]),
+    st.sampled_from(["add", "add_any", "sub"]),
+    seeds(),
+)
+def test_a_sum_sharing_a_factor_keeps_the_rank(x, side, op, seed):
+    x = qt.LowRank(x.left, x.right, projector_side=side)
+    y = _shared(x, side, seed)
+    fn = {"add": jax.lax.add, "add_any": add_any_p.bind, "sub": jax.lax.sub}[op]
+    with qt.fallback("error"):
+        out = quax.quaxify(fn)(x, y)
+    assert isinstance(out, qt.LowRank) and out.rank == x.rank
+    assert out.projector_side == side
+    shared = out.left if side == "left" else out.right
+    assert shared is (x.left if side == "left" else x.right)
+    assert_close(out, fn(x.materialise(), y.materialise()), x.dtype, factor=2.0)
+
+
+@given(lowrank_values(projector_side=None), seeds())
+def test_a_sum_sharing_the_untagged_factor_drops_the_tag(x, seed):
+    # `left` is shared but `right` is the projector: the sum of the rights is not.
+    x = qt.LowRank(x.left, x.right, projector_side="right")
+    y = _shared(x, "left", seed)
+    out = quax.quaxify(jax.lax.add)(x, y)
+    assert out.rank == x.rank and out.projector_side is None
+    assert_close(out, x.materialise() + y.materialise(), x.dtype, factor=2.0)
+
+
+def test_sums_of_distinct_factors_concatenate_and_drop_the_tag():
+    x = qt.LowRank(jnp.ones((8, 1)), jnp.ones((9, 1)), projector_side="left")
+    y = qt.LowRank(jnp.ones((8, 1)), jnp.ones((9, 1)), projector_side="left")
+    out = quax.quaxify(jax.lax.add)(x, y)  # equal values, different objects
+    assert out.rank == 2 and out.projector_side is None
+
+
+@given(lowrank_values(projector_side="left"), st.floats(-3, 3))
+def test_rules_that_keep_a_projection_keep_the_tag(x, scale):
+    projector = x.left
+    for fn in (jax.lax.neg, lambda a: a * scale, lambda a: scale * a):
+        out = quax.quaxify(fn)(x)
+        assert out.projector_side == "left" and out.left is projector
+        assert_close(out, fn(x.materialise()), x.dtype, factor=2.0)
+    cast = quax.quaxify(lambda a: a.astype(jnp.float16))(x)
+    assert cast.projector_side == "left"
+    flipped = quax.quaxify(lambda a: jnp.swapaxes(a, -1, -2))(x)
+    assert flipped.projector_side == "right" and flipped.right is projector
+
+
+def test_rules_that_change_the_factors_drop_the_tag():
+    x = qt.LowRank(jnp.ones((2, 6, 1)), jnp.ones((2, 7, 1)), projector_side="left")
+    summed = quax.quaxify(lambda a: jnp.sum(a, axis=0))(x)
+    assert summed.projector_side is None
+    row = quax.quaxify(lambda a: a * jnp.arange(7.0))(x)
+    assert row.projector_side is None
+    assert x.pad_rank(3).projector_side is None
+    with pytest.raises(ValueError, match="`projector_side` must be None"):
+        qt.LowRank(jnp.ones((3, 1)), jnp.ones((4, 1)), projector_side="up")
+
+
+def test_cond_and_scan_carry_join_values_of_different_tags():
+    def branches(flag, x, y):
+        return jax.lax.cond(flag, lambda: x, lambda: y)
+
+    x = qt.LowRank(jnp.ones((6, 1)), jnp.ones((7, 1)), projector_side="left")
+    untagged = qt.LowRank(x.left, 2 * x.right)
+    for flag in (True, False):
+        out = quax.quaxify(branches)(jnp.asarray(flag), x, untagged)
+        assert out.projector_side is None and out.rank == 1
+        assert_close(out, (x if flag else untagged).materialise())
+
+    def loop(x):
+        # The body drops the tag (a sum with a different factor, truncated back).
+        def body(c, _):
+            return c * 0.5, None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    out = quax.quaxify(loop)(x)
+    assert out.projector_side == "left"
+    assert_close(out, x.materialise() * 0.125)
+
+    def untagging_loop(x):
+        # Scaling the columns drops the tag: the carry enters the loop untagged.
+        def body(c, _):
+            return c * jnp.arange(7.0), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    qt.reset_fallback_counts()
+    with qt.fallback("error"):
+        out = quax.quaxify(untagging_loop)(x)
+    assert out.projector_side is None and out.rank == 1
+    assert_close(out, x.materialise() * jnp.arange(7.0) ** 2)

@@ -1,0 +1,175 @@
+"""`lax.scan` over a body that closes over a marked weight.
+
+JAX's transpose of `scan` accumulates the cotangent of a closed-over value (a scan
+*const*) in a carry that starts as dense zeros, so the `OuterSum` each iteration
+emits would be added to a dense array and densified: a loss computed in chunks of
+the batch, or a scan over microbatches, would lose every mark.
+
+Here such a scan, inside the inner trace, runs as a `jax.custom_vjp` whose backward
+pass is a scan of its own: for each iteration (in reverse) it recomputes the body
+from the stored input carry, as `jax.checkpoint` on the body would, and takes its
+VJP with the marked weights as `Marked` values again. Each iteration's weight
+cotangent comes out as a scanned *output* (stacked, `(T, *batch, m, B)` factors),
+never a carry, and the iterations are summed at the end by concatenating their
+factors: exact, with no dense weight-shaped array, whatever the projector.
+
+Cost: the body runs twice (as under `jax.checkpoint`), and the input carry of every
+iteration is stored.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jexc
+import jax.numpy as jnp
+import numpy as np
+import quax
+
+from ._cotangents import Marked
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _meta(x: Any) -> dict | None:
+    return x.statics() if isinstance(x, Marked) else None
+
+
+def _dense_view(array: Any, meta: tuple | None) -> Any:
+    """What the body sees of an input in the forward pass."""
+    if meta is None:
+        return array
+    return Marked(array, **meta).materialise()
+
+
+def applies(args: Sequence[Any], num_consts: int, num_carry: int) -> bool:
+    """Whether a scan's operands call for this path: a marked const, and no quax
+    value other than marked consts and marked xs."""
+    consts = args[:num_consts]
+    carry = args[num_consts : num_consts + num_carry]
+    if not any(isinstance(c, Marked) for c in consts):
+        return False
+    if any(isinstance(c, quax.Value) for c in carry):
+        return False
+    return all(isinstance(a, Marked) or not isinstance(a, quax.Value) for a in args)
+
+
+def scan_with_marked_consts(
+    args: Sequence[Any], jaxpr: Any, params: dict[str, Any]
+) -> list[Any]:
+    """`scan_p.bind(*args, jaxpr=jaxpr, **params)` for operands that `applies`."""
+    nc, nk = params["num_consts"], params["num_carry"]
+    metas = [_meta(a) for a in args]
+    arrays = [a.array if isinstance(a, Marked) else a for a in args]
+    body = jexc.jaxpr_as_fun(jaxpr)
+    options = dict(
+        length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
+    )
+
+    def forward(arrays: Sequence[Any], keep_carries: bool) -> Any:
+        dense = [_dense_view(a, m) for a, m in zip(arrays, metas)]
+        consts, carry, xs = dense[:nc], dense[nc : nc + nk], dense[nc + nk :]
+
+        def step(carry: list, x: list) -> tuple:
+            outs = body(*consts, *carry, *x)
+            ys = list(outs[nk:])
+            return list(outs[:nk]), (ys, carry) if keep_carries else ys
+
+        return jax.lax.scan(step, carry, xs, **options)
+
+    @jax.custom_vjp
+    def scanned(*arrays: Any) -> list[Any]:
+        carry, ys = forward(arrays, False)
+        return [*carry, *ys]
+
+    def scanned_fwd(*arrays: Any) -> tuple[list[Any], tuple]:
+        carry, (ys, carries) = forward(arrays, True)
+        return [*carry, *ys], (arrays, carries)
+
+    def scanned_bwd(residuals: tuple, cts: list[Any]) -> tuple:
+        arrays, carries = residuals
+        return tuple(_backward(body, metas, nc, nk, options, arrays, carries, cts))
+
+    scanned.defvjp(scanned_fwd, scanned_bwd)
+    return scanned(*arrays)
+
+
+def _backward(
+    body: Callable,
+    metas: Sequence[dict | None],
+    nc: int,
+    nk: int,
+    options: dict[str, Any],
+    arrays: Sequence[Any],
+    carries: Sequence[Any],
+    cts: Sequence[Any],
+) -> list[Any]:
+    """The cotangents of every operand: a reverse scan whose iterations take the
+    VJP of the body with the marked operands as `Marked` values."""
+    consts, xs = list(arrays[:nc]), list(arrays[nc + nk :])
+    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
+    diff = [_is_float(a) for a in arrays]
+    const_dense = [i for i in range(nc) if diff[i] and metas[i] is None]
+    const_marked = [i for i in range(nc) if diff[i] and metas[i] is not None]
+    carry_diff = [i for i in range(nk) if diff[nc + i]]
+    xs_diff = [i for i in range(len(xs)) if diff[nc + nk + i]]
+
+    def at(inputs: list[Any]) -> tuple[list[Any], Callable]:
+        """The body at one iteration's operands, as a function of the floating
+        ones, with the marked ones seen as `Marked`."""
+        float_positions = [i for i, d in enumerate(diff) if d]
+
+        def of_floats(*floats: Any) -> list[Any]:
+            full = list(inputs)
+            for i, f in zip(float_positions, floats):
+                full[i] = f
+            values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
+            return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
+
+        return [inputs[i] for i in float_positions], of_floats
+
+    def back_step(acc: tuple, inp: tuple) -> tuple:
+        ct_k, ct_c = acc
+        carry_t, x_t, ct_y_t = inp
+        floats, of_floats = at([*consts, *carry_t, *x_t])
+        outs, pullback = jax.vjp(of_floats, *floats)
+        out_cts = []
+        k_iter, y_iter = iter(ct_k), iter(ct_y_t)
+        for j, out in enumerate(outs):
+            if not _is_float(out):
+                out_cts.append(np.zeros(jnp.shape(out), jax.dtypes.float0))
+            else:
+                out_cts.append(next(k_iter) if j < nk else next(y_iter))
+        in_cts = dict(zip([i for i, d in enumerate(diff) if d], pullback(out_cts)))
+        new_ct_k = [in_cts[nc + i] for i in carry_diff]
+        new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
+        per_iteration = [in_cts[i] for i in const_marked]
+        ct_x = [in_cts[nc + nk + i] for i in xs_diff]
+        return (new_ct_k, new_ct_c), (per_iteration, ct_x)
+
+    float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
+    init = (
+        [ct_carry[i] for i in carry_diff],
+        [jnp.zeros_like(arrays[i]) for i in const_dense],
+    )
+    (ct_k, ct_c), (ct_marked, ct_xs) = jax.lax.scan(
+        back_step,
+        init,
+        (list(carries), xs, float_ct_ys),
+        length=options["length"],
+        reverse=not options["reverse"],
+        unroll=options["unroll"],
+    )
+    result: list[Any] = [None] * len(arrays)
+    for i, ct in zip(const_dense, ct_c):
+        result[i] = ct
+    for i, ct in zip(const_marked, ct_marked):
+        # The iterations' factors side by side: their exact sum.
+        result[i] = jnp.sum(ct, axis=0)
+    for i, ct in zip(carry_diff, ct_k):
+        result[nc + i] = ct
+    for i, ct in zip(xs_diff, ct_xs):
+        result[nc + nk + i] = ct
+    return result
