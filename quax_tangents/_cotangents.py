@@ -40,6 +40,7 @@ from jax.interpreters import ad, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from . import _fallback, _validate
+from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p, outer_sum_p, rows_p
 from ._registry import rule
 
@@ -79,6 +80,9 @@ class Projector(eqx.Module):
                 "`Projector.refresh` must be a bool scalar, got "
                 f"{self.refresh.dtype}{list(self.refresh.shape)}."
             )
+        # Eager only (concrete arrays); `projected_cotangent` checks traced ones.
+        if not isinstance(self.matrix, jax.core.Tracer):
+            check_orthonormal(self.matrix, "Projector.matrix", skip=self.refresh)
 
     @classmethod
     def init(cls, shape: tuple[int, int], rank: int, dtype: Any) -> "Projector":
@@ -163,7 +167,7 @@ def projected_cotangent(
     if projector is None:
         source, operands = "fresh", (key_data,)
     elif isinstance(projector, Projector):
-        matrix = _check_projector(projector.matrix, w, rank)
+        matrix = _check_projector(projector.matrix, w, rank, skip=projector.refresh)
         source, operands = "switch", (matrix, projector.refresh, key_data)
     else:
         source, operands = "given", (_check_projector(projector, w, rank),)
@@ -214,7 +218,7 @@ def _check_matrix(name: str, w: Any) -> tuple[int, int]:
     return m, n
 
 
-def _check_projector(matrix: Any, w: Any, rank: int) -> Any:
+def _check_projector(matrix: Any, w: Any, rank: int, skip: Any = False) -> Any:
     m, n = jnp.shape(w)
     expected = (min(m, n), rank)
     if jnp.shape(matrix) != expected:
@@ -228,7 +232,7 @@ def _check_projector(matrix: Any, w: Any, rank: int) -> Any:
             f"`projector` has dtype {jnp.result_type(matrix)} but `w` has "
             f"{jnp.result_type(w)}; cast the projector to the weight's dtype."
         )
-    return matrix
+    return check_orthonormal(matrix, "projector", skip=skip)
 
 
 def _key_data(key: Any) -> tuple[Any, str]:

@@ -166,7 +166,9 @@ def _projected(
     else:
         basis_out = basis.astype(dtype)
     other = apply_t(basis).astype(dtype)
-    return LowRank(basis_out, other) if m <= n else LowRank(other, basis_out)
+    if m <= n:
+        return LowRank(basis_out, other, projector_side="left")
+    return LowRank(other, basis_out, projector_side="right")
 
 
 def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -42,10 +43,14 @@ class LowRank(CompressedArray):
 
     - `left`: floating array of shape `(..., m, r)`.
     - `right`: floating array of shape `(..., n, r)`, same dtype and leading dims.
+    - `projector_side`: `"left"` or `"right"` when the value is the projection of a
+        gradient onto the orthonormal columns of that factor (as
+        `projected_cotangent` returns it), `None` for any other low-rank value.
     """
 
     left: Float[Array, "*batch m r"]
     right: Float[Array, "*batch n r"]
+    projector_side: str | None = eqx.field(static=True, default=None)
 
     def __check_init__(self) -> None:
         _validate.check_ndim("left", self.left, 2)
@@ -231,7 +236,7 @@ def _range_finder(
 
 def _lowrank(left: Array, right: Array) -> LowRank:
     """A rule's output, built without value checks (see `_unchecked`)."""
-    return unchecked(LowRank, left=left, right=right)
+    return unchecked(LowRank, left=left, right=right, projector_side=None)
 
 
 def _dense_from_factors(primitive: Any, result: Array, reason: str) -> Array:
