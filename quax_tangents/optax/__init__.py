@@ -37,8 +37,10 @@ if importlib.util.find_spec("optax") is None:
     )
 
 # ruff: noqa: E402
+from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import CompressState as CompressState, compress as compress
+from ._mark import mark as mark
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
 from ._projected import (
     ProjectedState as ProjectedState,
@@ -52,9 +54,11 @@ __all__ = [
     "CompressState",
     "PowerSGDState",
     "ProjectedState",
+    "accumulate_gradients",
     "apply_updates",
     "compress",
     "lift",
+    "mark",
     "partition_specs",
     "powersgd",
     "projected",

@@ -59,8 +59,8 @@ def _apply_rows(param: Array, update: SparseRows) -> Array:
 
 
 def _apply_leaf(param: Any, update: Any) -> Any:
-    if param is None:
-        return None
+    if param is None or update is None:  # as `equinox.apply_updates`
+        return param
     if isinstance(update, LowRank):
         _check_shape(param, update, views=True)
         return _apply_low_rank(param, update)
