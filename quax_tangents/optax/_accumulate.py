@@ -177,7 +177,7 @@ def _rows_mean(stacked: Any, k: int) -> Any:
         return None
     return SparseRows(
         stacked.indices.reshape(-1),
-        (stacked.rows / k).astype(stacked.rows.dtype).reshape(-1, *stacked.row_shape),
+        (stacked.rows / k).astype(stacked.rows.dtype).reshape(-1, *stacked.rows.shape[2:]),
         stacked.num_rows,
     )
 
@@ -270,12 +270,13 @@ def accumulate_gradients(
     def given(matrices: list) -> list:
         return [None if q is None else ("given", q) for q in matrices]
 
-    def steady() -> tuple[Array, Any, list]:
+    def steady(projectors: list) -> tuple[Array, Any, list]:
         matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
         loss, aux, factors = run(given(matrices))
         return loss, aux, _finish(plans, leaves, matrices, factors)
 
-    def refresh() -> tuple[Array, Any, list]:
+    def refresh(projectors: list) -> tuple[Array, Any, list]:
+        del projectors
         omegas = [
             _test_matrices(plans[i], key_of[i]) if i in key_of else None
             for i in range(len(plans))
@@ -304,9 +305,11 @@ def accumulate_gradients(
             factors.append(b @ u)
         return loss, aux, _finish(plans, leaves, matrices, factors)
 
+    # The projectors enter as operands: traced, the steady branch does not check the
+    # placeholder that a refresh step carries (see `check_orthonormal`).
     if key_of:
-        loss, aux, grads = jax.lax.cond(inner.refresh, refresh, steady)
+        loss, aux, grads = jax.lax.cond(inner.refresh, refresh, steady, projectors)
     else:
-        loss, aux, grads = steady()
+        loss, aux, grads = steady(projectors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads
