@@ -178,3 +178,49 @@ def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
         qto.mark(params, state)
     with pytest.raises(TypeError, match="accumulate_gradients"):
         qto.projectors(state)
+
+
+def _stacked_marks() -> bool:
+    try:
+        jax.eval_shape(lambda w: qt.projected_cotangent(w, 1), jnp.zeros((2, 3, 4)))
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _stacked_marks(), reason="projected_cotangent does not take stacked weights"
+)
+def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
+    rng = np.random.default_rng(4)
+    params = {
+        "up": jnp.asarray(rng.standard_normal((3, 8, 14)), jnp.float32) * 0.3,
+        "down": jnp.asarray(rng.standard_normal((3, 14, 8)), jnp.float32) * 0.3,
+    }
+    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2)
+    state = tx.init(params)
+    key = jax.random.key(1)
+
+    def loss(p, batch):
+        x, y = batch
+
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["up"]) @ w["down"], None
+
+        return jnp.mean((jax.lax.scan(layer, x, p)[0] - y) ** 2)
+
+    accumulated = jax.jit(lambda p, s, mb: qto.accumulate_gradients(loss, p, s, mb, key=key))
+    full_batch = jax.jit(
+        lambda p, s, b: qt.grad(lambda p: loss(qto.mark(p, s, key=key, iters=0), b))(p)
+    )
+    for _ in range(2):  # refresh, keep
+        microbatches = tuple(
+            jnp.asarray(rng.standard_normal((K, B, 8)), jnp.float32) for _ in range(2)
+        )
+        _, grads = accumulated(params, state, microbatches)
+        expected = full_batch(params, state, _full(microbatches))
+        for name in params:
+            assert grads[name].batch_ndim == 1
+            assert_close(grads[name], expected[name], factor=5)
+        updates, state = tx.update(grads, state)
+        params = qto.apply_updates(params, updates)
