@@ -121,9 +121,12 @@ def _pass(
     has_aux: bool,
 ) -> tuple[Array, Any, list]:
     """(mean loss, stacked aux, mean contributions per leaf) over the microbatches."""
-    paths = [jtu.keystr(p) for p, _ in jtu.tree_flatten_with_path(
-        jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
-    )[0]]
+    paths = [
+        jtu.keystr(p)
+        for p, _ in jtu.tree_flatten_with_path(
+            jtu.tree_unflatten(treedef, [0] * treedef.num_leaves)
+        )[0]
+    ]
 
     def loss_of(params: PyTree, batch: Any) -> Any:
         leaves = treedef.flatten_up_to(params)
@@ -177,7 +180,9 @@ def _rows_mean(stacked: Any, k: int) -> Any:
         return None
     return SparseRows(
         stacked.indices.reshape(-1),
-        (stacked.rows / k).astype(stacked.rows.dtype).reshape(-1, *stacked.rows.shape[2:]),
+        (stacked.rows / k)
+        .astype(stacked.rows.dtype)
+        .reshape(-1, *stacked.rows.shape[2:]),
         stacked.num_rows,
     )
 
@@ -195,9 +200,7 @@ def _low_rank(plan: LeafPlan, projector: Array, factor: Array, dtype: Any) -> Lo
 
 def _finish(plans: list, leaves: list, matrices: list, factors: list) -> list:
     return [
-        _low_rank(p, q, f, x.dtype)
-        if p is not None and p.kind == "project"
-        else f
+        _low_rank(p, q, f, x.dtype) if p is not None and p.kind == "project" else f
         for p, x, q, f in zip(plans, leaves, matrices, factors)
     ]
 
@@ -260,7 +263,9 @@ def accumulate_gradients(
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)
     if not jtu.tree_leaves(microbatches):
         raise ValueError(f"{_WHERE}: `microbatches` has no arrays.")
-    projected = [i for i, p in enumerate(plans) if p is not None and p.kind == "project"]
+    projected = [
+        i for i, p in enumerate(plans) if p is not None and p.kind == "project"
+    ]
     keys = leaf_keys(key, inner, len(projected))
     key_of = {i: keys[j] for j, i in enumerate(projected)}
 
@@ -281,8 +286,11 @@ def accumulate_gradients(
             _test_matrices(plans[i], key_of[i]) if i in key_of else None
             for i in range(len(plans))
         ]
+
         def orthonormal(parts: list) -> list:  # the projected leaves' parts only
-            return [_orthonormal(x) if i in key_of else None for i, x in enumerate(parts)]
+            return [
+                _orthonormal(x) if i in key_of else None for i, x in enumerate(parts)
+            ]
 
         def sketch(tests: list) -> list:
             return [None if o is None else ("sketch", o) for o in tests]

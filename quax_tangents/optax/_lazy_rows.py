@@ -12,8 +12,6 @@ from jaxtyping import Array, PyTree
 from .._types.rows import SparseRows
 
 
-
-
 def distinct_rows(grad: SparseRows) -> tuple[Array, Array]:
     """The distinct rows read (sorted; unused slots hold `num_rows`, out of range)
     and each one's summed gradient row. There are at most `min(k, num_rows)`."""

@@ -174,7 +174,10 @@ def projected(
         )
     if learning_rate is not None and not (
         callable(learning_rate)
-        or (isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool))
+        or (
+            isinstance(learning_rate, (int, float))
+            and not isinstance(learning_rate, bool)
+        )
     ):
         raise TypeError(
             "`learning_rate` must be a float, an optax schedule or None, got "
@@ -255,7 +258,12 @@ def _flat_plan(state: ProjectedState, treedef: Any) -> list[LeafPlan | None]:
 
 
 def _prepare(
-    grad: Any, projector: Any, plan: LeafPlan | None, refresh: Array, rank: int, path: str
+    grad: Any,
+    projector: Any,
+    plan: LeafPlan | None,
+    refresh: Array,
+    rank: int,
+    path: str,
 ):
     """(new projector, what `base` sees, rows read) for one leaf."""
     where = f"`quax_tangents.optax.projected`, leaf `{path}`"

@@ -63,7 +63,9 @@ def test_microbatches_give_the_full_batch_projected_gradient(iters):
 
     @jax.jit
     def accumulated(params, state, microbatches):
-        return qto.accumulate_gradients(_loss, params, state, microbatches, key=key, iters=iters)
+        return qto.accumulate_gradients(
+            _loss, params, state, microbatches, key=key, iters=iters
+        )
 
     @jax.jit
     def full_batch(params, state, batch):
@@ -100,9 +102,14 @@ def test_aux_is_stacked_over_the_microbatches():
     def with_aux(p, batch):
         return _loss(p, batch), batch[1].sum()
 
-    (loss, aux), _ = qto.accumulate_gradients(with_aux, params, state, microbatches, has_aux=True)
+    (loss, aux), _ = qto.accumulate_gradients(
+        with_aux, params, state, microbatches, has_aux=True
+    )
     assert_close(aux, microbatches[1].sum(axis=(1, 2)))
-    assert_close(loss, np.mean([_loss(params, jax.tree.map(lambda a: a[i], microbatches)) for i in range(K)]))
+    each = [
+        _loss(params, jax.tree.map(lambda a, i=i: a[i], microbatches)) for i in range(K)
+    ]
+    assert_close(loss, np.mean(each))
 
 
 def _while_carries(hlo: str) -> list[list[str]]:
@@ -141,7 +148,9 @@ def test_the_scan_carries_no_weight_shaped_accumulator():
 
     def weight_shaped(fn):
         hlo = jax.jit(fn).lower(params, state, microbatches).compile().as_text()
-        scans = [c for c in _while_carries(hlo) if "f32[4,6,8]" in c]  # over microbatches
+        scans = [
+            c for c in _while_carries(hlo) if "f32[4,6,8]" in c
+        ]  # over microbatches
         assert scans
         return max(sum(s in weights for s in carry) for carry in scans)
 
@@ -162,7 +171,10 @@ def test_multi_steps_on_dense_gradients_equals_the_mean_gradient():
     multi = optax.MultiSteps(base, every_k_schedule=K)
     multi_state, base_state = multi.init(params), base.init(params)
     for _ in range(2):
-        grads = [{"w": jnp.asarray(rng.standard_normal((6, 10)), jnp.float32)} for _ in range(K)]
+        grads = [
+            {"w": jnp.asarray(rng.standard_normal((6, 10)), jnp.float32)}
+            for _ in range(K)
+        ]
         for g in grads:
             updates, multi_state = multi.update(g, multi_state, params)
         mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
@@ -172,7 +184,9 @@ def test_multi_steps_on_dense_gradients_equals_the_mean_gradient():
 
 def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
     params = {"w": jnp.zeros((6, 10))}
-    multi = optax.MultiSteps(qto.projected(optax.scale_by_adam(), rank=RANK), every_k_schedule=K)
+    multi = optax.MultiSteps(
+        qto.projected(optax.scale_by_adam(), rank=RANK), every_k_schedule=K
+    )
     state = multi.init(params)
     with pytest.raises(TypeError, match="accumulate_gradients"):
         qto.mark(params, state)
@@ -197,7 +211,9 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
         "up": jnp.asarray(rng.standard_normal((3, 8, 14)), jnp.float32) * 0.3,
         "down": jnp.asarray(rng.standard_normal((3, 14, 8)), jnp.float32) * 0.3,
     }
-    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2)
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2
+    )
     state = tx.init(params)
     key = jax.random.key(1)
 
@@ -209,7 +225,9 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
 
         return jnp.mean((jax.lax.scan(layer, x, p)[0] - y) ** 2)
 
-    accumulated = jax.jit(lambda p, s, mb: qto.accumulate_gradients(loss, p, s, mb, key=key))
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(loss, p, s, mb, key=key)
+    )
     full_batch = jax.jit(
         lambda p, s, b: qt.grad(lambda p: loss(qto.mark(p, s, key=key, iters=0), b))(p)
     )

@@ -81,22 +81,30 @@ def test_stacked_projection_of_the_wrong_rank_or_side_names_the_stack():
     tx = qto.projected(_ADAM, rank=RANK)
     state = tx.init({"w": jnp.zeros((3, 6, 10))})
     with pytest.raises(TypeError, match="projector on the right"):
-        tx.update({"w": qt.LowRank(jnp.ones((3, 6, 2)), jnp.ones((3, 10, 2)), "right")}, state)
+        tx.update(
+            {"w": qt.LowRank(jnp.ones((3, 6, 2)), jnp.ones((3, 10, 2)), "right")}, state
+        )
     with pytest.raises(TypeError, match=r"a stack \[3\] of \(6, 10\) matrices"):
-        tx.update({"w": qt.LowRank(jnp.ones((3, 6, 3)), jnp.ones((3, 10, 3)), "left")}, state)
+        tx.update(
+            {"w": qt.LowRank(jnp.ones((3, 6, 3)), jnp.ones((3, 10, 3)), "left")}, state
+        )
 
 
 def test_a_leaf_that_cannot_be_projected_says_what_would_work():
     tx = qto.projected(_ADAM, rank=4, project=lambda _: True)
     with pytest.raises(ValueError, match=r"\['b'\].*fewer than 2 dims"):
         tx.init({"b": jnp.zeros(8)})
-    with pytest.raises(ValueError, match=r"smaller side 4 does not exceed `rank=4`.*dims="):
+    with pytest.raises(
+        ValueError, match=r"smaller side 4 does not exceed `rank=4`.*dims="
+    ):
         tx.init({"w": jnp.zeros((2, 4, 32))})
     # A projected gradient for a leaf left out names `project=` and `dims=`, and the
     # stacked leaf that the old message sent in a circle is projected by default.
     left_out = qto.projected(_ADAM, rank=RANK, project={"w": False})
     state = left_out.init({"w": jnp.zeros((2, 6, 10))})
-    grad = _projection(np.ones((2, 6, 10), np.float32), np.ones((2, 6, RANK), np.float32))
+    grad = _projection(
+        np.ones((2, 6, 10), np.float32), np.ones((2, 6, RANK), np.float32)
+    )
     with pytest.raises(TypeError, match="does not project.*`project=`.*`dims=`"):
         left_out.update({"w": grad}, state)
     default = qto.projected(_ADAM, rank=RANK).init({"w": jnp.zeros((2, 6, 10))})
@@ -112,7 +120,9 @@ def _model():
 
 
 def _plan_of(state):
-    return jax.tree.map(lambda p: p is not None, state.projector, is_leaf=lambda x: x is None)
+    return jax.tree.map(
+        lambda p: p is not None, state.projector, is_leaf=lambda x: x is None
+    )
 
 
 def test_project_as_a_pytree_callable_prefix_or_module_selects_the_same_leaves():
@@ -142,7 +152,9 @@ def test_project_as_an_equinox_module_of_bools():
     assert isinstance(updates.layers[0].weight, qt.LowRank)
     # Selecting by a callable on the module does the same.
     by_callable = qto.projected(_ADAM, rank=RANK, project=lambda p: mask).init(params)
-    assert jax.tree.structure(by_callable.projector) == jax.tree.structure(state.projector)
+    assert jax.tree.structure(by_callable.projector) == jax.tree.structure(
+        state.projector
+    )
 
 
 def test_a_leafwise_callable_is_told_that_project_sees_the_whole_tree():
@@ -183,12 +195,18 @@ def test_dims_projects_the_matrix_view(shape, dims):
         assert_close(updates["w"], expected["w"], factor=10)
         new = qto.apply_updates({"w": param}, updates)["w"]
         assert new.shape == shape
-        assert_close(new, (param.reshape(view) + expected["w"].materialise()).reshape(shape), factor=10)
+        assert_close(
+            new,
+            (param.reshape(view) + expected["w"].materialise()).reshape(shape),
+            factor=10,
+        )
 
 
 def test_bad_dims_raise():
     with pytest.raises(ValueError, match="batch_ndim, row_ndim"):
-        qto.projected(_ADAM, rank=RANK, dims=lambda _: (1, 2)).init({"w": jnp.zeros((4, 6, 8))})
+        qto.projected(_ADAM, rank=RANK, dims=lambda _: (1, 2)).init(
+            {"w": jnp.zeros((4, 6, 8))}
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,7 +238,10 @@ def test_learning_rate_equals_scale_by_learning_rate_inside_base(learning_rate):
     own_state, inside_state = own.init(params), inside.init(params)
     for t in range(4):
         grads = {
-            **jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), _three_leaves(rng)),
+            **jax.tree.map(
+                lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32),
+                _three_leaves(rng),
+            ),
             "t": qt.SparseRows(jnp.array([t, 2]), jnp.ones((2, 3)), 9),
         }
         got, own_state = jax.jit(own.update)(grads, own_state)

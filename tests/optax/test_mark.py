@@ -40,14 +40,18 @@ def _loss(params, static, batch):
 
 def _batch(seed):
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.integers(0, 20, 7)), jnp.asarray(rng.standard_normal((7, 5)), jnp.float32)
+    return jnp.asarray(rng.integers(0, 20, 7)), jnp.asarray(
+        rng.standard_normal((7, 5)), jnp.float32
+    )
 
 
 def _setup(**kwargs):
     params, static = eqx.partition(Net(jax.random.key(0)), eqx.is_inexact_array)
     rows = jax.tree.map(lambda _: False, params)
     rows = eqx.tree_at(lambda p: p.embedding.weight, rows, True)
-    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, rows=rows, **kwargs)
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, rows=rows, **kwargs
+    )
     return params, static, tx
 
 
@@ -94,13 +98,19 @@ def test_mark_splits_one_key_per_projected_leaf():
             p,
             (
                 qt.sparse_rows_cotangent(p.embedding.weight),
-                qt.projected_cotangent(p.hidden.weight, RANK, projector=shown.hidden.weight, key=hidden_key),
-                qt.projected_cotangent(p.out.weight, RANK, projector=shown.out.weight, key=out_key),
+                qt.projected_cotangent(
+                    p.hidden.weight, RANK, projector=shown.hidden.weight, key=hidden_key
+                ),
+                qt.projected_cotangent(
+                    p.out.weight, RANK, projector=shown.out.weight, key=out_key
+                ),
             ),
         )
         return _loss(p, static, batch)
 
-    got = qt.grad(lambda p, b: _loss(qto.mark(p, state, key=key), static, b))(params, _batch(0))
+    got = qt.grad(lambda p, b: _loss(qto.mark(p, state, key=key), static, b))(
+        params, _batch(0)
+    )
     expected = qt.grad(by_hand)(params, _batch(0))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
