@@ -85,9 +85,12 @@ def _dims_per_leaf(dims: DimsSpec, params: PyTree) -> list[Dims | None]:
     if callable(dims) and not isinstance(dims, eqx.Module):
         return [dims(leaf) for leaf in leaves]
     is_pair = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
+    default = object()  # None would vanish from the leaves below
     try:
         expanded = jtu.tree_map(
-            lambda pair, sub: jtu.tree_map(lambda _: pair, sub),
+            lambda pair, sub: jtu.tree_map(
+                lambda _: default if pair is None else pair, sub
+            ),
             dims,
             params,
             is_leaf=lambda x: x is None or is_pair(x),
@@ -98,7 +101,8 @@ def _dims_per_leaf(dims: DimsSpec, params: PyTree) -> list[Dims | None]:
             "None, or a pytree of such pairs with the parameters' structure (or a "
             "prefix of it)."
         ) from error
-    return jtu.tree_leaves(expanded, is_leaf=is_pair)
+    leaves = jtu.tree_leaves(expanded, is_leaf=is_pair)
+    return [None if d is default else d for d in leaves]
 
 
 def _check_dims(dims: Any, shape: tuple[int, ...], where: str) -> Dims:

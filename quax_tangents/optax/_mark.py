@@ -8,6 +8,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
+from .._fallback import record_densification
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
 
@@ -49,13 +50,16 @@ def _mark_leaf(
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
     if plan.row_ndim != 1 or plan.batch_ndim != len(plan.shape) - 2:
-        raise NotImplementedError(
-            f"`quax_tangents.optax.mark` cannot mark a leaf of shape "
-            f"{list(plan.shape)} viewed with `dims=({plan.batch_ndim}, "
-            f"{plan.row_ndim})`: `projected_cotangent` marks matrices (with leading "
-            "stack dims). Its dense gradient is projected after the fact: leave it "
-            "unmarked (compute its gradient with the weight unmarked)."
+        # `projected_cotangent` marks (stacks of) matrices in the parameter's own
+        # dims: this leaf's gradient stays dense, and `projected` projects it after
+        # the fact. Counted, so that `fallback("error")` says so.
+        record_densification(
+            "quax_tangents.optax.mark",
+            ("dims",),
+            f"a leaf of shape {list(plan.shape)} viewed with `dims=("
+            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked",
         )
+        return leaf
     return projected_cotangent(
         leaf, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
     )
@@ -73,7 +77,9 @@ def mark(
     projected leaf (stacked or not) `quax_tangents.projected_cotangent` with the
     state's [`quax_tangents.Projector`][] (a fresh projector on refresh steps), and
     on each leaf chosen with `rows=` `quax_tangents.sparse_rows_cotangent`. The other
-    leaves are returned as they are.
+    leaves are returned as they are, and so is a leaf that `dims=` views as other
+    matrices than its own last two dims (its dense gradient is projected after the
+    fact; counted as a densification, see `quax_tangents.fallback`).
 
     Call it *inside* the function that `quax_tangents.grad` or `value_and_grad`
     differentiates, on that function's parameters:

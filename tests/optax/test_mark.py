@@ -198,3 +198,26 @@ def test_mark_on_a_scanned_equinox_model():
         assert_close(g, dense.blocks.up.weight @ q @ jnp.swapaxes(q, -1, -2))
         if not bool(before.refresh):
             assert_close(q, before.projector.blocks.up.weight)
+
+
+def test_a_leaf_viewed_with_dims_is_left_unmarked_and_counted():
+    params = {"qkv": jnp.ones((6, 2, 5)), "w": jnp.ones((6, 10))}
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, dims={"qkv": (0, 1), "w": None}
+    )
+    state = tx.init(params)
+    x = jnp.ones((3, 6))
+
+    def loss(p):
+        return jnp.sum(jnp.tanh(x @ p["w"])) + jnp.sum(
+            jnp.tanh(jnp.einsum("bd,dhk->bhk", x, p["qkv"]))
+        )
+
+    with pytest.warns(qt.DensificationWarning, match="dims"):
+        grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    assert isinstance(grads["w"], qt.LowRank)
+    assert isinstance(grads["qkv"], jax.Array)
+    updates, _ = tx.update(grads, state)
+    assert updates["qkv"].shape == (6, 10)  # the matrix view
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="dims"):
+        qt.grad(lambda p: loss(qto.mark(p, state)))(params)
