@@ -192,6 +192,12 @@ def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
         qto.mark(params, state)
     with pytest.raises(TypeError, match="accumulate_gradients"):
         qto.projectors(state)
+    # Projected gradients made by hand do not pass silently either: MultiSteps's
+    # accumulator is shaped like the parameters, not like a LowRank.
+    p = jnp.asarray(np.linalg.qr(np.ones((6, RANK)) + np.eye(6, RANK))[0], jnp.float32)
+    grads = {"w": qt.LowRank(p, jnp.ones((10, RANK)), "left")}
+    with pytest.raises((TypeError, ValueError)):
+        multi.update(grads, state, params)
 
 
 def _stacked_marks() -> bool:
