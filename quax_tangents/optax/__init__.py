@@ -1,8 +1,9 @@
 """Optax gradient transformations that compress updates: a generic compressor with
 error feedback (EF, EF21), and PowerSGD; and optimisers that take compressed
 gradients: `projected` (GaLore on projected and row-sparse gradients, whose updates
-stay compressed; apply them with `apply_updates`) and `lift` (any optax
-transformation, on the dense arrays).
+stay compressed; apply them with `apply_updates`; `mark` applies the marks its state
+calls for inside the loss, and `accumulate_gradients` adds microbatches up inside one
+step) and `lift` (any optax transformation, on the dense arrays).
 
 Each compressing transformation emits *dense* updates: the materialised compressed value, or the
 mean over devices of the compressed values. Generic optax transformations (`adam`,
