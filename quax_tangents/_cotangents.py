@@ -43,6 +43,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from . import _fallback, _validate
+from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p, outer_sum_p, rows_p
 from ._registry import rule
 
@@ -84,6 +85,9 @@ class Projector(eqx.Module):
                 "`Projector.refresh` must be a bool scalar, got "
                 f"{self.refresh.dtype}{list(self.refresh.shape)}."
             )
+        # Eager only (concrete arrays); `projected_cotangent` checks traced ones.
+        if not isinstance(self.matrix, jax.core.Tracer):
+            check_orthonormal(self.matrix, "Projector.matrix", skip=self.refresh)
 
     @classmethod
     def init(cls, shape: tuple[int, ...], rank: int, dtype: Any) -> "Projector":
@@ -183,7 +187,7 @@ def projected_cotangent(
     if projector is None:
         source, operands = "fresh", (key_data,)
     elif isinstance(projector, Projector):
-        matrix = _check_projector(projector.matrix, w, rank)
+        matrix = _check_projector(projector.matrix, w, rank, skip=projector.refresh)
         source, operands = "switch", (matrix, projector.refresh, key_data)
     else:
         source, operands = "given", (_check_projector(projector, w, rank),)
@@ -240,7 +244,7 @@ def _check_matrix(name: str, w: Any) -> tuple[tuple[int, ...], tuple[int, int]]:
     return tuple(batch), (m, n)
 
 
-def _check_projector(matrix: Any, w: Any, rank: int) -> Any:
+def _check_projector(matrix: Any, w: Any, rank: int, skip: Any = False) -> Any:
     *batch, m, n = jnp.shape(w)
     expected = (*batch, min(m, n), rank)
     if jnp.shape(matrix) != expected:
@@ -254,6 +258,7 @@ def _check_projector(matrix: Any, w: Any, rank: int) -> Any:
             f"`projector` has dtype {jnp.result_type(matrix)}; it must be a floating "
             "array with orthonormal columns."
         )
+    matrix = check_orthonormal(matrix, "projector", skip=skip)
     # A projector kept in another float dtype (an f32 optimizer state for a bf16
     # weight) is cast; the result's projector factor is in the weight's dtype.
     return jnp.asarray(matrix).astype(jnp.result_type(w))

@@ -81,7 +81,7 @@ def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
 
 
 Kind = Literal["factored", "projected", "rows"]
-Source = Literal["given", "fresh", "switch"]
+Source = Literal["given", "fresh", "switch", "sketch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +120,33 @@ def _range_basis(
     range finder with `spec.iters` power iterations and a little oversampling,
     truncated with the SVD of the small `width x n` matrix `Y^T G`."""
     m, n = shape
-    width = min(spec.rank + spec.oversample, m, n)
-    dtype = _work_dtype(jnp.float32)
-    sketch = jax.random.normal(key, (n, width), dtype)
+    sketch = test_matrix(key, shape, spec.rank, spec.oversample)
     basis = _orthonormal(apply(sketch))
     for _ in range(spec.iters):
         basis = _orthonormal(apply(_orthonormal(apply_t(basis))))
     u, _, _ = jnp.linalg.svd(apply_t(basis).T, full_matrices=False)
     return basis @ u[:, : spec.rank]
+
+
+def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:
+    """Columns of the range finder's test matrix for a rank-`rank` projector."""
+    return min(rank + oversample, *shape)
+
+
+def test_matrix(key: Any, shape: tuple[int, int], rank: int, oversample: int) -> Array:
+    """The range finder's Gaussian test matrix `(n, width)` for the `(m, n)` matrix
+    whose column space it finds (`m` the smaller side of the weight)."""
+    width = sketch_width(shape, rank, oversample)
+    return jax.random.normal(key, (shape[1], width), _work_dtype(jnp.float32))
+
+
+def _sketch(operands: tuple, apply: Callable, m_le_n: bool, dtype: Any) -> LowRank:
+    """`Y = G Ω` for the test matrix `Ω` given, as `LowRank(Y, Ω)` (or `(Ω, Y)` for a
+    tall weight): a value of the weight's shape that carries the sketch."""
+    omega = operands[0]
+    sketch = apply(omega.astype(_work_dtype(omega.dtype))).astype(dtype)
+    omega = omega.astype(dtype)
+    return LowRank(sketch, omega) if m_le_n else LowRank(omega, sketch)
 
 
 def _key(spec: Finish, key_data: Array) -> Any:
@@ -160,6 +179,8 @@ def _projected(
     m, n = shape
     if m > n:  # project G^T, whose smaller side comes first
         apply, apply_t, shape = apply_t, apply, (n, m)
+    if spec.source == "sketch":
+        return _sketch(operands, apply, m <= n, dtype)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source == "given":
         basis_out = operands[0].astype(dtype)  # exactly the projector given
@@ -175,7 +196,12 @@ def _projected(
 def _per_slice(spec: Finish) -> tuple[bool, ...]:
     """Which operands of a projection hold one entry per slice of a stacked weight
     (the projector and the key data); `refresh` is shared by every slice."""
-    return {"given": (True,), "fresh": (True,), "switch": (True, False, True)}[
+    return {
+        "given": (True,),
+        "fresh": (True,),
+        "switch": (True, False, True),
+        "sketch": (True,),
+    }[
         spec.source
     ]
 

@@ -1,8 +1,9 @@
 """Optax gradient transformations that compress updates: a generic compressor with
 error feedback (EF, EF21), and PowerSGD; and optimisers that take compressed
 gradients: `projected` (GaLore on projected and row-sparse gradients, whose updates
-stay compressed; apply them with `apply_updates`) and `lift` (any optax
-transformation, on the dense arrays).
+stay compressed; apply them with `apply_updates`; `mark` applies the marks its state
+calls for inside the loss, and `accumulate_gradients` adds microbatches up inside one
+step) and `lift` (any optax transformation, on the dense arrays).
 
 Each compressing transformation emits *dense* updates: the materialised compressed value, or the
 mean over devices of the compressed values. Generic optax transformations (`adam`,
@@ -38,8 +39,10 @@ if importlib.util.find_spec("optax") is None:
     )
 
 # ruff: noqa: E402
+from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import CompressState as CompressState, compress as compress
+from ._mark import mark as mark
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
 from ._projected import (
     ProjectedState as ProjectedState,
@@ -53,9 +56,11 @@ __all__ = [
     "CompressState",
     "PowerSGDState",
     "ProjectedState",
+    "accumulate_gradients",
     "apply_updates",
     "compress",
     "lift",
+    "mark",
     "partition_specs",
     "powersgd",
     "projected",

@@ -45,10 +45,13 @@ def _apply_low_rank(param: Array, update: LowRank) -> Array:
     left, right = update.left.astype(param.dtype), update.right.astype(param.dtype)
     if update.rank <= _FUSED_MAX_RANK:
         terms = left[..., :, None, :] * right[..., None, :, :]
-        return param + jnp.sum(terms, axis=-1)
-    batch = tuple(range(left.ndim - 2))
-    contract = ((left.ndim - 1,), (right.ndim - 1,))
-    return param + jax.lax.dot_general(left, right, (contract, (batch, batch)))
+        product = jnp.sum(terms, axis=-1)
+    else:
+        batch = tuple(range(left.ndim - 2))
+        contract = ((left.ndim - 1,), (right.ndim - 1,))
+        product = jax.lax.dot_general(left, right, (contract, (batch, batch)))
+    # A matrix view of the parameter (`projected(dims=...)`): a reshape, in order.
+    return param + product.reshape(jnp.shape(param))
 
 
 def _apply_rows(param: Array, update: SparseRows) -> Array:
@@ -56,10 +59,10 @@ def _apply_rows(param: Array, update: SparseRows) -> Array:
 
 
 def _apply_leaf(param: Any, update: Any) -> Any:
-    if param is None:
-        return None
+    if param is None or update is None:  # as `equinox.apply_updates`
+        return param
     if isinstance(update, LowRank):
-        _check_shape(param, update)
+        _check_shape(param, update, views=True)
         return _apply_low_rank(param, update)
     if isinstance(update, SparseRows):
         _check_shape(param, update)
@@ -75,19 +78,38 @@ def _apply_leaf(param: Any, update: Any) -> Any:
     return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
 
 
-def _check_shape(param: Any, update: CompressedArray) -> None:
-    if tuple(jnp.shape(param)) != tuple(update.shape):
+def _check_shape(param: Any, update: CompressedArray, views: bool = False) -> None:
+    same = tuple(jnp.shape(param)) == tuple(update.shape)
+    if views and _is_matrix_view(tuple(jnp.shape(param)), tuple(update.shape)):
+        return
+    if not same:
         raise ValueError(
             f"An update of shape {list(update.shape)} ({type(update).__name__}) "
             f"cannot be applied to a parameter of shape {list(jnp.shape(param))}."
         )
 
 
+def _is_matrix_view(shape: tuple[int, ...], view: tuple[int, ...]) -> bool:
+    """Whether `view` groups consecutive dims of `shape`, as `projected(dims=...)`
+    views a parameter as a stack of matrices."""
+    i = 0
+    for size in view:
+        group = 1
+        start = i
+        while i < len(shape) and (group < size or i == start):
+            group *= shape[i]
+            i += 1
+        if group != size:
+            return False
+    return i == len(shape)
+
+
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """`optax.apply_updates` for updates that may be compressed.
 
     A `LowRank` update is added as `param + left @ right.T` in one pass over the
-    parameter: up to rank 64 the product is written as a multiply-reduce over the
+    parameter (reshaped to the parameter's shape when it is a matrix view of it, as
+    `projected(dims=...)` returns it): up to rank 64 the product is written as a multiply-reduce over the
     rank that XLA fuses with the addition, so the compiled function holds no
     `(m, n)` buffer besides the result (with the parameter donated, none at all);
     above rank 64 it is a matrix multiplication followed by the addition. A

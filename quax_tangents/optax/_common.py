@@ -5,9 +5,11 @@ import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._base import CompressedArray
@@ -63,6 +65,45 @@ def filter_flags(filter: Filter, tree: PyTree) -> list[bool]:
     if not all(isinstance(flag, bool) for flag in flags):
         raise TypeError("A pytree `filter` must hold Python bools.")
     return flags
+
+
+def mask_flags(mask: Filter, tree: PyTree, name: str) -> list[bool] | None:
+    """One Python bool per array leaf of `tree`, for a mask given as `optax.masked`
+    takes it: a pytree of bools with `tree`'s structure or a prefix of it (an
+    Equinox module included), or a callable that maps the whole `tree` to one.
+    None for no mask."""
+    if mask is None:
+        return None
+    hint = (
+        "A callable is given the whole parameter tree (as `optax.masked`'s is): to "
+        f"decide leaf by leaf, pass `{name}=lambda params: jax.tree.map(lambda x: "
+        "x.ndim == 2, params)`."
+    )
+    if callable(mask) and not isinstance(mask, eqx.Module):
+        try:
+            mask = mask(tree)
+        except (AttributeError, TypeError, IndexError, KeyError) as error:
+            raise TypeError(
+                f"`{name}` raised {type(error).__name__}: {error}. {hint}"
+            ) from error
+    try:
+        expanded = jtu.tree_map(
+            lambda flag, subtree: jtu.tree_map(lambda _: flag, subtree), mask, tree
+        )
+    except ValueError as error:
+        raise ValueError(
+            f"`{name}` must be a pytree of bools with the structure of the "
+            "parameters (or a prefix of it), or a callable that maps the parameters "
+            f"to one, as for `optax.masked`: {error}"
+        ) from error
+    flags = jtu.tree_leaves(expanded)
+    if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+        kinds = sorted({type(flag).__name__ for flag in flags})
+        raise TypeError(
+            f"`{name}` must hold Python bools, one per parameter leaf, got {kinds}. "
+            f"{hint}"
+        )
+    return [bool(flag) for flag in flags]
 
 
 def dense_bytes(leaf: Any) -> int:

@@ -1,22 +1,29 @@
 """GaLore-style training on projected gradients: the base optimiser runs on the small
-factor of each projected weight, and row-sparse gradients update only the rows read.
+factor of each projected weight (per layer of a stacked weight), and row-sparse
+gradients update only the rows read.
 """
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from .._base import CompressedArray
 from .._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
-from .._unchecked import unchecked
 from ._apply import is_compressed, reject_compressed
-from ._common import Filter, check_int, filter_flags
+from ._common import Filter, check_int
+from ._galore_leaves import (
+    DimsSpec,
+    LeafPlan,
+    make_plan,
+    project_dense,
+    rebuild,
+    split_low_rank,
+)
+from ._lazy_rows import distinct_rows, lazy_base_update, rows_update
 
 
 class ProjectedState(NamedTuple):
@@ -26,16 +33,21 @@ class ProjectedState(NamedTuple):
 
     - `count`: steps taken (int32, saturating).
     - `refresh`: whether the next step computes fresh projectors.
-    - `projector`: per projected leaf of shape `(m, n)`, the projector of its smaller
-        side, `(min(m, n), rank)`; `None` for the other leaves.
-    - `base_state`: the base transformation's state, initialised on `(max(m, n),
-        rank)` arrays for projected leaves and on the leaves themselves otherwise.
+    - `projector`: per projected leaf, viewed as a stack `(*batch, m, n)` of
+        matrices, the projector of each matrix's smaller side, `(*batch, min(m, n),
+        rank)`; `None` for the other leaves.
+    - `base_state`: the base transformation's state, initialised on `(*batch,
+        max(m, n), rank)` arrays for projected leaves and on the leaves themselves
+        otherwise.
+    - `plan`: per leaf, what `projected` does with it (static, no arrays): read by
+        [`quax_tangents.optax.mark`][] and [`quax_tangents.optax.accumulate_gradients`][].
     """
 
     count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
     refresh: Bool[Array, ""]
     projector: PyTree
     base_state: Any
+    plan: PyTree = None
 
 
 _ONLY = (
@@ -44,230 +56,108 @@ _ONLY = (
     "`SparseRows` gradient (for a leaf that is not projected)"
 )
 
-
-# ---------------------------------------------------------------------------------------
-# Sides and shapes
+LearningRate = float | optax.Schedule | None
 
 
-def _projects_rows(shape: tuple[int, ...]) -> bool:
-    """Whether a weight `(m, n)` is projected on its rows (`m <= n`: `P` is `(m, r)`
-    and the small factor `G^T P` is `(n, r)`), else on its columns."""
-    m, n = shape
-    return m <= n
-
-
-def _projector_shape(shape: tuple[int, ...], rank: int) -> tuple[int, int]:
-    return (min(shape), rank)
-
-
-def _factor_shape(shape: tuple[int, ...], rank: int) -> tuple[int, int]:
-    return (max(shape), rank)
-
-
-def _default_plan(rank: int, params: PyTree, project: Filter) -> list[bool]:
-    flags = filter_flags(project, params)
-    plan = []
-    for flag, leaf in zip(flags, jtu.tree_leaves(params)):
-        chosen = flag and jnp.ndim(leaf) == 2 and rank < min(jnp.shape(leaf))
-        if flag and project is not None and not chosen:
-            raise ValueError(
-                f"`project` selects a leaf of shape {list(jnp.shape(leaf))}, which "
-                f"cannot be projected at rank {rank}: only 2-d leaves whose smaller "
-                "side exceeds `rank` can."
-            )
-        plan.append(chosen)
-    return plan
-
-
-# ---------------------------------------------------------------------------------------
-# Projecting one leaf's gradient
-
-
-def _fresh_projector(grad: Array, rank: int) -> Array:
-    """The top-`rank` singular vectors of the smaller side of a dense gradient."""
-    g = grad.astype(jnp.float32)
-    if _projects_rows(grad.shape):
-        u, _, _ = jnp.linalg.svd(g, full_matrices=False)
-        return u[:, :rank].astype(grad.dtype)
-    _, _, vh = jnp.linalg.svd(g, full_matrices=False)
-    return vh[:rank].T.astype(grad.dtype)
-
-
-def _project_dense(
-    grad: Array, projector: Array, refresh: Array, rank: int
-) -> tuple[Array, Array]:
-    """A dense gradient projected after the fact, as GaLore does: the projector is
-    replaced on refresh steps. Returns (projector, small factor)."""
-    projector = jax.lax.cond(
-        refresh, lambda: _fresh_projector(grad, rank), lambda: projector
-    )
-    if _projects_rows(grad.shape):
-        return projector, grad.T @ projector
-    return projector, grad @ projector
-
-
-def _split_low_rank(grad: LowRank, shape: tuple[int, ...], rank: int, where: str):
-    """(projector, small factor) of a projected gradient."""
-    expected = (_projector_shape(shape, rank), _factor_shape(shape, rank))
-    if _projects_rows(shape):
-        got = (grad.left, grad.right)
-    else:
-        got = (grad.right, grad.left)
-    if grad.left.ndim != 2 or (got[0].shape, got[1].shape) != expected:
-        raise TypeError(
-            f"{where}: a LowRank gradient with factors {list(grad.left.shape)} and "
-            f"{list(grad.right.shape)} is not the projection of a {list(shape)} "
-            f"weight at rank {rank}. Mark the weight with "
-            f"`quax_tangents.projected_cotangent(w, {rank}, projector=...)` using "
-            "`quax_tangents.optax.projectors(state)`, or use "
-            "`quax_tangents.optax.lift` on a dense optimiser."
-        )
-    return got
-
-
-def _rebuild(shape: tuple[int, ...], projector: Array, factor: Array) -> LowRank:
-    # Computed from the gradient: a NaN in it flows on, as in a dense optimiser.
-    if _projects_rows(shape):
-        return unchecked(LowRank, left=projector, right=factor)
-    return unchecked(LowRank, left=factor, right=projector)
-
-
-# ---------------------------------------------------------------------------------------
-# Row-sparse leaves: lazy updates
-
-
-def _distinct_rows(grad: SparseRows) -> tuple[Array, Array]:
-    """The distinct rows read (sorted; unused slots hold `num_rows`, out of range)
-    and each one's summed gradient row. There are at most `min(k, num_rows)`."""
-    size = min(grad.k, grad.num_rows)
-    rows = jnp.unique(grad.indices, size=size, fill_value=grad.num_rows)
-    position = jnp.searchsorted(rows, grad.indices)
-    summed = jnp.zeros((size, *grad.row_shape), grad.dtype)
-    summed = summed.at[position].add(grad.rows)
-    return rows, summed
-
-
-def _gather(state_leaf: Array, rows: Array | None) -> Array:
-    if rows is None:
-        return state_leaf
-    return state_leaf.at[rows].get(mode="fill", fill_value=0)
-
-
-def _scatter(old: Any, new: Any, rows: Any) -> Any:
-    if rows is None:
-        return new
-    return old.at[rows].set(new, mode="drop")
-
-
-def _param_slots(base: optax.GradientTransformation, state: Any, tree: PyTree) -> Any:
-    """`state`'s structure with each copy of the parameter tree replaced by `tree`,
-    and `None` in the other fields."""
-    return optax.tree_map_params(
-        base,
-        lambda _, value: value,
-        state,
-        tree,
-        transform_non_params=lambda _: None,
-        is_leaf=lambda x: x is None,
-    )
-
-
-def _lazy_base_update(
-    base: optax.GradientTransformation,
-    proxies: list[Any],
-    rows: list[Array | None],
-    state: Any,
-    treedef: Any,
-) -> tuple[list[Any], Any]:
-    """Runs `base` once on every leaf, with the state of row-sparse leaves cut down
-    to the rows read and written back afterwards."""
-    rows_tree = jtu.tree_unflatten(treedef, rows)
-    cut = optax.tree_map_params(
-        base,
-        _gather,
-        state,
-        rows_tree,
-        is_leaf=lambda x: x is None,
-    )
-    updates, new_cut = base.update(jtu.tree_unflatten(treedef, proxies), cut)
-    slots = _param_slots(base, state, rows_tree)
-    new_state = jtu.tree_map(
-        _scatter, state, new_cut, slots, is_leaf=lambda x: x is None
-    )
-    return treedef.flatten_up_to(updates), new_state
-
-
-def _rows_update(grad: SparseRows, rows: Array, update: Array) -> SparseRows:
-    unused = rows == grad.num_rows
-    per_row = unused.reshape(-1, *(1,) * len(grad.row_shape))
-    update = jnp.where(per_row, 0, update).astype(grad.dtype)
-    return SparseRows.build(jnp.where(unused, 0, rows), update, grad.num_rows)
-
-
-# ---------------------------------------------------------------------------------------
-# The transformation
+def _step_size(learning_rate: LearningRate, count: Array) -> Any:
+    """What the base direction is multiplied by: `-learning_rate` (at `count` for a
+    schedule, as `optax.scale_by_learning_rate`), or 1 without a learning rate."""
+    if learning_rate is None:
+        return 1.0
+    if callable(learning_rate):
+        return -jnp.asarray(learning_rate(count))
+    return -learning_rate
 
 
 def projected(
     base: optax.GradientTransformation,
     *,
     rank: int,
+    learning_rate: LearningRate = None,
     refresh_every: int = 200,
     scale: float = 1.0,
     project: Filter = None,
+    rows: Filter = None,
+    dims: DimsSpec = None,
 ) -> optax.GradientTransformation:
     """GaLore on gradients that are already projected: `base` runs on the small
     factor of each projected weight only.
 
     For a weight `W` of shape `(m, n)` and its gradient `G`, with `m <= n` the
     projector `P` is `(m, rank)` with orthonormal columns, the small factor is
-    `R = G^T P` `(n, rank)`, and the update is `scale * P base(R)^T`, returned as
-    `LowRank(P, scale * base(R))`. With `m > n` the projector `Q` is `(n, rank)`,
-    `R = G Q` `(m, rank)`, and the update is `LowRank(scale * base(R), Q)`. The
-    state per projected weight is `base`'s state for a `(max(m, n), rank)` array
-    plus the projector.
+    `R = G^T P` `(n, rank)`, and the update is `-lr * scale * P base(R)^T`, returned
+    as `LowRank(P, -lr * scale * base(R))`. With `m > n` the projector `Q` is
+    `(n, rank)`, `R = G Q` `(m, rank)`, and the update is
+    `LowRank(-lr * scale * base(R), Q)`. The state per projected weight is
+    `base`'s state for a `(max(m, n), rank)` array plus the projector.
+
+    A leaf of more than two dims, `(*batch, m, n)`, is a stack of matrices (the
+    layers of a model whose blocks are stacked with `equinox.filter_vmap` and run by
+    `lax.scan`): each `(m, n)` slice has its own projector, the projector state is
+    `(*batch, min(m, n), rank)` and `base`'s state is on `(*batch, max(m, n),
+    rank)`. `dims=` views a leaf as other matrices (a `(d, heads, head_dim)`
+    projection as `(d, heads * head_dim)`).
 
     The gradient of a projected leaf is either
 
-    - the `LowRank` that `quax_tangents.projected_cotangent` gives: its projector
+    - the `LowRank` that `quax_tangents.projected_cotangent` gives (with
+        `projector_side` set, and `batch_ndim` the stack's dims): its projector
         factor is taken as the leaf's projector (so on a refresh step the loss
-        computes the new one, from the implicit gradient). Pass
-        [`quax_tangents.optax.projectors`][]`(state)` as the loss's projectors; or
+        computes the new one, from the implicit gradient). Mark the parameters in
+        the loss with [`quax_tangents.optax.mark`][]`(params, state)`. A `LowRank`
+        that is not tagged as a projection (from `factored_cotangent` or
+        `low_rank`) is refused, whatever its rank; or
     - a dense array, projected after the fact as `optax.contrib.galore` does: on a
-        refresh step the projector becomes the top-`rank` singular vectors of the
-        gradient's smaller side.
+        refresh step the projector of each slice becomes the top-`rank` singular
+        vectors of that slice's smaller side.
 
     The projectors are refreshed on the first step and every `refresh_every` steps
     after; between refreshes the projector stays fixed. The decision is carried in
     the state as an array, so one jitted step serves every step.
 
     Leaves that are not projected go through `base` as they are (`scale` does not
-    apply to them). A `SparseRows` gradient updates only the rows it stores, lazily
-    (as TensorFlow's `LazyAdam`): `base`'s state keeps its full shape, and on each
-    step only the rows read are gathered, updated and written back; the other rows'
-    state (Adam's moments) is left as it was, not decayed. Fields of the state that
-    are not per element (Adam's step count, and so its bias correction) advance
-    every step, whether a row is read or not. A row read several times in one step
-    is updated once, with its gradients summed, and the update stores each row
-    read once (at most `num_rows` rows, however many were read). A stored row
-    counts as read even when its values are zero. Lazy updates need a `base` whose
-    state per parameter is elementwise (`scale_by_adam`, `scale_by_rms`,
-    `trace`...).
+    apply to them; `learning_rate` does). A `SparseRows` gradient updates only the
+    rows it stores, lazily (as TensorFlow's `LazyAdam`): `base`'s state keeps its
+    full shape, and on each step only the rows read are gathered, updated and
+    written back; the other rows' state (Adam's moments) is left as it was, not
+    decayed. Fields of the state that are not per element (Adam's step count, and
+    so its bias correction) advance every step, whether a row is read or not. A
+    row read several times in one step is updated once, with its gradients summed,
+    and the update stores each row read once (at most `num_rows` rows, however many
+    were read). A stored row counts as read even when its values are zero. Lazy
+    updates need a `base` whose state per parameter is elementwise
+    (`scale_by_adam`, `scale_by_rms`, `trace`...).
 
     **Arguments:**
 
-    - `base`: a transformation that takes no parameters, with the learning rate
-        in it, e.g. `optax.chain(optax.scale_by_adam(),
-        optax.scale_by_learning_rate(1e-3))`. Do not chain a transformation
-        *after* `projected`: optax would scale both factors of each `LowRank`
-        update (see the sharp bits).
+    - `base`: a transformation that takes no parameters, e.g.
+        `optax.scale_by_adam()`. With `learning_rate=None` it holds the learning
+        rate (`optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(lr))`).
+        Do not chain a transformation *after* `projected`: optax would scale both
+        factors of each `LowRank` update (see the sharp bits).
     - `rank`: the projection rank.
+    - `learning_rate`: a float or an optax schedule (evaluated at the step count),
+        applied to every update as `optax.scale_by_learning_rate` would; `None`
+        when `base` applies it.
     - `refresh_every`: steps between projector refreshes.
     - `scale`: multiplies the updates of projected leaves (GaLore's alpha).
-    - `project`: which leaves are projected: `None` for every 2-d leaf whose
-        smaller side exceeds `rank`, or a callable or pytree of bools over the
-        parameters (as in `optax.masked`). Leave out a table whose gradient is
-        `SparseRows`.
+    - `project`: which leaves are projected, in any form `optax.masked` takes: a
+        pytree of bools with the parameters' structure (an Equinox module
+        included) or a prefix of it, or a callable that maps the parameters to one.
+        `None` projects every leaf of 2 dims or more whose matrices' smaller side
+        exceeds `rank`.
+    - `rows`: which leaves are tables updated by rows (in the same forms):
+        [`quax_tangents.optax.mark`][] marks them with
+        `quax_tangents.sparse_rows_cotangent`, and they are not projected. A
+        `SparseRows` gradient of any unprojected leaf is updated by rows, selected
+        or not.
+    - `dims`: how a leaf is viewed as a stack of matrices: a callable from a leaf
+        to `(batch_ndim, row_ndim)` (its leading stack dims, then the dims that
+        form the rows; the rest form the columns) or `None`, or a pytree of such
+        pairs (or `None`) with the parameters' structure or a prefix of it. `None`
+        (the default, and for a leaf): every dim but the last two is a stack dim.
+        The updates of a leaf with other dims are `LowRank` values in the matrix
+        view, which [`quax_tangents.optax.apply_updates`][] reshapes.
 
     **Returns:**
 
@@ -282,19 +172,29 @@ def projected(
         raise TypeError(
             f"`base` must be an optax.GradientTransformation, got {type(base).__name__}."
         )
+    if learning_rate is not None and not (
+        callable(learning_rate)
+        or (
+            isinstance(learning_rate, (int, float))
+            and not isinstance(learning_rate, bool)
+        )
+    ):
+        raise TypeError(
+            "`learning_rate` must be a float, an optax schedule or None, got "
+            f"{learning_rate!r}."
+        )
 
     def init(params: PyTree) -> ProjectedState:
         reject_compressed(
             params, "`projected(...).init`", "initialise it with the parameters."
         )
         leaves, treedef = jtu.tree_flatten(params)
-        plan = _default_plan(rank, params, project)
+        plan = make_plan(params, rank=rank, project=project, rows=rows, dims=dims)
         projectors, proxies = [], []
-        for chosen, leaf in zip(plan, leaves):
-            if chosen:
-                shape = jnp.shape(leaf)
-                projectors.append(jnp.zeros(_projector_shape(shape, rank), leaf.dtype))
-                proxies.append(jnp.zeros(_factor_shape(shape, rank), leaf.dtype))
+        for leaf_plan, leaf in zip(plan, leaves):
+            if leaf_plan is not None and leaf_plan.kind == "project":
+                projectors.append(jnp.zeros(leaf_plan.projector_shape, leaf.dtype))
+                proxies.append(jnp.zeros(leaf_plan.factor_shape, leaf.dtype))
             else:
                 projectors.append(None)
                 proxies.append(leaf)
@@ -303,33 +203,39 @@ def projected(
             refresh=jnp.ones([], bool),
             projector=jtu.tree_unflatten(treedef, projectors),
             base_state=base.init(jtu.tree_unflatten(treedef, proxies)),
+            plan=jtu.tree_unflatten(treedef, plan),
         )
 
     def update(
         updates: PyTree, state: Any, params: PyTree = None
     ) -> tuple[PyTree, ProjectedState]:
         del params
-        grads, treedef = jtu.tree_flatten(updates, is_leaf=is_compressed)
+        with_paths, treedef = jtu.tree_flatten_with_path(updates, is_leaf=is_compressed)
+        paths = [jtu.keystr(path) or "the root" for path, _ in with_paths]
+        grads = [grad for _, grad in with_paths]
         projectors = treedef.flatten_up_to(state.projector)
-        new_projectors, proxies, rows = [], [], []
-        for grad, projector in zip(grads, projectors):
-            new_projector, proxy, read = _prepare(grad, projector, state.refresh, rank)
-            new_projectors.append(new_projector)
-            proxies.append(proxy)
-            rows.append(read)
-        if any(r is not None for r in rows):
-            base_updates, base_state = _lazy_base_update(
-                base, proxies, rows, state.base_state, treedef
+        plans = _flat_plan(state, treedef)
+        prepared = [
+            _prepare(grad, projector, plan, state.refresh, rank, path)
+            for grad, projector, plan, path in zip(grads, projectors, plans, paths)
+        ]
+        new_projectors = [p[0] for p in prepared]
+        proxies = [p[1] for p in prepared]
+        rows_read = [p[2] for p in prepared]
+        if any(r is not None for r in rows_read):
+            base_updates, base_state = lazy_base_update(
+                base, proxies, rows_read, state.base_state, treedef
             )
         else:
             out, base_state = base.update(
                 jtu.tree_unflatten(treedef, proxies), state.base_state
             )
             base_updates = treedef.flatten_up_to(out)
+        step_size = _step_size(learning_rate, state.count)
         final = [
-            _finish(grad, projector, update, read, scale)
-            for grad, projector, update, read in zip(
-                grads, new_projectors, base_updates, rows
+            _finish(grad, projector, plan, update, read, scale, step_size)
+            for grad, projector, plan, update, read in zip(
+                grads, new_projectors, plans, base_updates, rows_read
             )
         ]
         count = jnp.asarray(optax.safe_int32_increment(state.count))
@@ -338,57 +244,139 @@ def projected(
             refresh=jnp.asarray(count % refresh_every == 0),
             projector=jtu.tree_unflatten(treedef, new_projectors),
             base_state=base_state,
+            plan=state.plan,
         )
         return jtu.tree_unflatten(treedef, final), new_state
 
     return optax.GradientTransformation(init, update)
 
 
-def _prepare(grad: Any, projector: Any, refresh: Array, rank: int):
+def _flat_plan(state: ProjectedState, treedef: Any) -> list[LeafPlan | None]:
+    if state.plan is None:
+        return [None] * treedef.num_leaves
+    return treedef.flatten_up_to(state.plan)
+
+
+def _prepare(
+    grad: Any,
+    projector: Any,
+    plan: LeafPlan | None,
+    refresh: Array,
+    rank: int,
+    path: str,
+):
     """(new projector, what `base` sees, rows read) for one leaf."""
-    where = "`quax_tangents.optax.projected`"
+    where = f"`quax_tangents.optax.projected`, leaf `{path}`"
     if grad is None:
         return projector, None, None
     if projector is not None:
-        shape = tuple(grad.shape)
+        assert plan is not None and plan.kind == "project"
         if isinstance(grad, LowRank):
-            new_projector, factor = _split_low_rank(grad, shape, rank, where)
+            new_projector, factor = split_low_rank(grad, plan, where)
             return new_projector, factor, None
         if is_compressed(grad):
             raise TypeError(
-                f"{where} got a {type(grad).__name__} gradient for a projected "
-                f"{list(shape)} leaf. {_ONLY}; leave this leaf out with `project=`, "
-                "or wrap a dense optimiser in `quax_tangents.optax.lift`."
+                f"{where}: got a {type(grad).__name__} gradient for a projected "
+                f"leaf of shape {list(grad.shape)}. {_ONLY}; leave this leaf out "
+                "with `project=`, or wrap a dense optimiser in "
+                "`quax_tangents.optax.lift`."
             )
-        new_projector, factor = _project_dense(grad, projector, refresh, rank)
+        new_projector, factor = project_dense(grad, projector, refresh, plan)
         return new_projector, factor, None
     if isinstance(grad, SparseRows):
-        read, summed = _distinct_rows(grad)
+        read, summed = distinct_rows(grad)
         return None, summed, read
-    if isinstance(grad, CompressedArray):
+    if isinstance(grad, LowRank):
+        raise TypeError(_unprojected_low_rank(grad, rank, where))
+    if is_compressed(grad):
         raise TypeError(
-            f"{where} got a {type(grad).__name__} gradient for a leaf of shape "
-            f"{list(grad.shape)} that it does not project. {_ONLY}. Select the leaf "
-            "with `project=` (for a LowRank), or wrap a dense optimiser in "
-            "`quax_tangents.optax.lift`."
+            f"{where}: got a {type(grad).__name__} gradient for a leaf of shape "
+            f"{list(grad.shape)} that it does not project. {_ONLY}. Wrap a dense "
+            "optimiser in `quax_tangents.optax.lift` for other compressed gradients."
         )
     return None, grad, None
 
 
-def _finish(grad: Any, projector: Any, update: Any, read: Any, scale: float) -> Any:
+def _unprojected_low_rank(grad: LowRank, rank: int, where: str) -> str:
+    shape = list(grad.shape)
+    if grad.projector_side is None:
+        return (
+            f"{where}: got a LowRank gradient of shape {shape} that is not a "
+            "projection (from `factored_cotangent` or `low_rank`) for a leaf it does "
+            f"not project. {_ONLY}. Wrap a dense optimiser in "
+            "`quax_tangents.optax.lift`, or mark the weight with "
+            "`quax_tangents.optax.mark(params, state)`."
+        )
+    return (
+        f"{where}: got a projected LowRank gradient of shape {shape} for a leaf "
+        "that this optimiser does not project: `project=` (or the default, which "
+        f"projects leaves of 2 dims or more whose matrices' smaller side exceeds "
+        f"rank={rank}) leaves it out, or `rows=` selects it. Select the leaf with "
+        "`project=` (with `dims=` to view it as other matrices), or mark it with "
+        "`quax_tangents.optax.mark(params, state)`, which marks only the leaves "
+        "projected."
+    )
+
+
+def _finish(
+    grad: Any,
+    projector: Any,
+    plan: LeafPlan | None,
+    update: Any,
+    read: Any,
+    scale: float,
+    step_size: Any,
+) -> Any:
     if grad is None:
         return None
     if projector is not None:
-        factor = (scale * update).astype(grad.dtype)
-        return _rebuild(tuple(grad.shape), projector.astype(grad.dtype), factor)
+        assert plan is not None
+        factor = (scale * step_size * update).astype(grad.dtype)
+        return rebuild(plan, projector.astype(grad.dtype), factor)
     if read is not None:
-        return _rows_update(grad, read, update)
-    return update
+        return rows_update(grad, read, step_size * update)
+    if isinstance(step_size, float) and step_size == 1.0:
+        return update
+    return (step_size * update).astype(jnp.result_type(update))
+
+
+def find_state(state: Any, where: str) -> ProjectedState:
+    """The one `ProjectedState` inside `state` (an `optax.chain`'s, say)."""
+    found = [
+        node
+        for node in jtu.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, ProjectedState)
+        )
+        if isinstance(node, ProjectedState)
+    ]
+    if _inside_multi_steps(state) and found:
+        raise TypeError(
+            f"{where} was given the state of `optax.MultiSteps` around "
+            "`quax_tangents.optax.projected`. MultiSteps adds the fields of the "
+            "compressed gradients leaf by leaf, which is not their sum (each "
+            "microbatch's fresh projector differs). Accumulate microbatches with "
+            "`quax_tangents.optax.accumulate_gradients(loss_fn, params, state, "
+            "microbatches)` inside one step instead."
+        )
+    if len(found) != 1:
+        raise ValueError(
+            f"{where}: `state` must contain exactly one state of "
+            f"`quax_tangents.optax.projected`; found {len(found)}."
+        )
+    return found[0]
+
+
+def _inside_multi_steps(state: Any) -> bool:
+    nodes = jtu.tree_leaves(
+        state, is_leaf=lambda x: isinstance(x, optax.MultiStepsState)
+    )
+    return any(isinstance(node, optax.MultiStepsState) for node in nodes)
 
 
 def projectors(state: Any) -> PyTree:
     """What the loss passes to `quax_tangents.projected_cotangent` as `projector`,
     per projected leaf, for the next step of [`quax_tangents.optax.projected`][].
+    [`quax_tangents.optax.mark`][] applies the marks with these projectors.
 
     **Arguments:**
 
@@ -398,22 +386,10 @@ def projectors(state: Any) -> PyTree:
     **Returns:**
 
     A pytree with the parameters' structure: a [`quax_tangents.Projector`][] for
-    each projected leaf (the current projector, and whether this step replaces it
-    by a fresh one) and `None` elsewhere.
+    each projected leaf (the current projector, `(*batch, min(m, n), rank)`, and
+    whether this step replaces it by a fresh one) and `None` elsewhere.
     """
-    found = [
-        node
-        for node in jtu.tree_leaves(
-            state, is_leaf=lambda x: isinstance(x, ProjectedState)
-        )
-        if isinstance(node, ProjectedState)
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            "`state` must contain exactly one state of "
-            f"`quax_tangents.optax.projected`; found {len(found)}."
-        )
-    (inner,) = found
+    inner = find_state(state, "`quax_tangents.optax.projectors`")
     return jtu.tree_map(
         lambda p: None if p is None else Projector(p, inner.refresh),
         inner.projector,

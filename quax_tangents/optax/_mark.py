@@ -1,0 +1,123 @@
+"""`mark`: the parameters with the cotangent marks that a `projected` state calls for,
+applied inside the loss."""
+
+from typing import Any
+
+import jax
+import jax.tree_util as jtu
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
+from .._fallback import record_densification
+from ._galore_leaves import LeafPlan
+from ._projected import ProjectedState, find_state
+
+
+def _is_plan_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, LeafPlan)
+
+
+def leaf_keys(key: PRNGKeyArray | None, state: ProjectedState, count: int) -> Any:
+    """`count` keys, one per projected leaf, from `key`; without a key, from the step
+    count, so that each refresh draws new test matrices."""
+    if key is None:
+        key = jax.random.fold_in(jax.random.key(0), state.count)
+    return jax.random.split(key, max(count, 1))
+
+
+def plan_leaves(state: ProjectedState, params: PyTree, where: str):
+    """(plans, param leaves, projectors, treedef), aligned: one entry per leaf of
+    the parameters that `state` was initialised with."""
+    if state.plan is None:
+        raise ValueError(f"{where}: the state has no plan; initialise it again.")
+    plans, treedef = jtu.tree_flatten(state.plan, is_leaf=_is_plan_leaf)
+    try:
+        leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{where}: `params` must have the structure of the parameters the "
+            f"optimiser state was initialised with: {error}"
+        ) from error
+    projectors = treedef.flatten_up_to(state.projector)
+    return plans, leaves, projectors, treedef
+
+
+def _mark_leaf(
+    leaf: Any, plan: LeafPlan | None, projector: Any, refresh: Any, key: Any, iters: int
+) -> Any:
+    if plan is None or leaf is None:
+        return leaf
+    if plan.kind == "rows":
+        return sparse_rows_cotangent(leaf)
+    if plan.row_ndim != 1 or plan.batch_ndim != len(plan.shape) - 2:
+        # `projected_cotangent` marks (stacks of) matrices in the parameter's own
+        # dims: this leaf's gradient stays dense, and `projected` projects it after
+        # the fact. Counted, so that `fallback("error")` says so.
+        record_densification(
+            "quax_tangents.optax.mark",
+            ("dims",),
+            f"a leaf of shape {list(plan.shape)} viewed with `dims=("
+            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked",
+        )
+        return leaf
+    return projected_cotangent(
+        leaf, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+    )
+
+
+def mark(
+    params: PyTree,
+    state: Any,
+    *,
+    key: PRNGKeyArray | None = None,
+    iters: int = 1,
+) -> PyTree:
+    """The parameters with the marks that a [`quax_tangents.optax.projected`][] state
+    calls for, so that their gradients come back in the form it takes: on each
+    projected leaf (stacked or not) `quax_tangents.projected_cotangent` with the
+    state's [`quax_tangents.Projector`][] (a fresh projector on refresh steps), and
+    on each leaf chosen with `rows=` `quax_tangents.sparse_rows_cotangent`. The other
+    leaves are returned as they are, and so is a leaf that `dims=` views as other
+    matrices than its own last two dims (its dense gradient is projected after the
+    fact; counted as a densification, see `quax_tangents.fallback`).
+
+    Call it *inside* the function that `quax_tangents.grad` or `value_and_grad`
+    differentiates, on that function's parameters:
+
+    ```python
+    def step(params, state, batch):
+        marked_loss = lambda p, b: loss_fn(qto.mark(p, state), b)
+        loss, grads = qt.value_and_grad(marked_loss)(params, batch)
+        updates, state = tx.update(grads, state)
+        return qto.apply_updates(params, updates), state, loss
+    ```
+
+    **Arguments:**
+
+    - `params`: the parameters (a pytree of arrays, an Equinox module, possibly with
+        `None` or non-array leaves where `tx.init` had `None`), with the structure
+        the state was initialised with.
+    - `state`: the state of `projected`, or a state that contains exactly one
+        (an `optax.chain`'s).
+    - `key`: the PRNG key of the range finders on refresh steps, split into one key
+        per projected leaf. `None` derives one from the state's step count.
+    - `iters`: power iterations of the range finders.
+
+    **Returns:**
+
+    `params`, marked.
+    """
+    inner = find_state(state, "`quax_tangents.optax.mark`")
+    plans, leaves, projectors, treedef = plan_leaves(
+        inner, params, "`quax_tangents.optax.mark`"
+    )
+    projected_leaves = [
+        i for i, p in enumerate(plans) if p is not None and p.kind == "project"
+    ]
+    keys = leaf_keys(key, inner, len(projected_leaves))
+    key_of = {i: keys[j] for j, i in enumerate(projected_leaves)}
+    marked = [
+        _mark_leaf(leaf, plan, projector, inner.refresh, key_of.get(i), iters)
+        for i, (leaf, plan, projector) in enumerate(zip(leaves, plans, projectors))
+    ]
+    return jtu.tree_unflatten(treedef, marked)

@@ -1,0 +1,250 @@
+"""`quax_tangents.optax.accumulate_gradients`: microbatches give the full batch's
+projected gradient (same fresh projector on refresh steps), and the scan carries the
+small factors only; `optax.MultiSteps` around `projected`."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import quax_tangents as qt
+import quax_tangents.optax as qto
+from tests.helpers import assert_close
+
+
+RANK = 2
+K, B = 4, 6
+
+
+def _params(rng):
+    return {
+        "wide": jnp.asarray(rng.standard_normal((8, 12)), jnp.float32) * 0.4,
+        "tall": jnp.asarray(rng.standard_normal((12, 7)), jnp.float32) * 0.4,
+        "table": jnp.asarray(rng.standard_normal((15, 8)), jnp.float32),
+        "bias": jnp.zeros(7),
+    }
+
+
+def _loss(params, batch):
+    ids, x, y = batch
+    h = jnp.tanh((x + params["table"][ids]) @ params["wide"])
+    return jnp.mean((h @ params["tall"] + params["bias"] - y) ** 2)
+
+
+def _batches(rng):
+    ids = jnp.asarray(rng.integers(0, 15, (K, B)))
+    x = jnp.asarray(rng.standard_normal((K, B, 8)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((K, B, 7)), jnp.float32)
+    return ids, x, y
+
+
+def _full(microbatches):
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), microbatches)
+
+
+_TX = qto.projected(
+    optax.scale_by_adam(),
+    rank=RANK,
+    learning_rate=1e-2,
+    refresh_every=2,
+    rows={"wide": False, "tall": False, "table": True, "bias": False},
+)
+
+
+@pytest.mark.parametrize("iters", [0, 1])
+def test_microbatches_give_the_full_batch_projected_gradient(iters):
+    rng = np.random.default_rng(0)
+    params = _params(rng)
+    state = _TX.init(params)
+    key = jax.random.key(7)
+
+    @jax.jit
+    def accumulated(params, state, microbatches):
+        return qto.accumulate_gradients(
+            _loss, params, state, microbatches, key=key, iters=iters
+        )
+
+    @jax.jit
+    def full_batch(params, state, batch):
+        marked = lambda p: _loss(qto.mark(p, state, key=key, iters=iters), batch)  # noqa: E731
+        return qt.value_and_grad(marked)(params)
+
+    refreshes = []
+    for _ in range(3):  # refresh, keep, refresh
+        microbatches = _batches(rng)
+        loss, grads = accumulated(params, state, microbatches)
+        expected_loss, expected = full_batch(params, state, _full(microbatches))
+        refreshes.append(bool(state.refresh))
+        assert_close(loss, expected_loss)
+        for name in ("wide", "tall"):
+            g, e = grads[name], expected[name]
+            assert isinstance(g, qt.LowRank) and g.projector_side == e.projector_side
+            assert_close(g, e, factor=5)
+            side = "left" if g.projector_side == "left" else "right"
+            assert_close(getattr(g, side), getattr(e, side), factor=5)
+        assert isinstance(grads["table"], qt.SparseRows)
+        assert_close(grads["table"], expected["table"])
+        assert_close(grads["bias"], expected["bias"])
+        updates, state = _TX.update(grads, state)
+        params = qto.apply_updates(params, updates)
+    assert refreshes == [True, False, True]
+
+
+def test_aux_is_stacked_over_the_microbatches():
+    rng = np.random.default_rng(1)
+    params = _params(rng)
+    state = _TX.init(params)
+    microbatches = _batches(rng)
+
+    def with_aux(p, batch):
+        return _loss(p, batch), batch[1].sum()
+
+    (loss, aux), _ = qto.accumulate_gradients(
+        with_aux, params, state, microbatches, has_aux=True
+    )
+    assert_close(aux, microbatches[1].sum(axis=(1, 2)))
+    each = [
+        _loss(params, jax.tree.map(lambda a, i=i: a[i], microbatches)) for i in range(K)
+    ]
+    assert_close(loss, np.mean(each))
+
+
+def _while_carries(hlo: str) -> list[list[str]]:
+    """The element shapes of every `while` loop's carry in a compiled program."""
+    carries = []
+    for line in hlo.splitlines():
+        match = re.search(r"=\s*\((.*)\)\s+while\(", line)
+        if match:
+            carries.append(re.findall(r"[a-z0-9]+\[[0-9,]*\]", match.group(1)))
+    return carries
+
+
+def test_the_scan_carries_no_weight_shaped_accumulator():
+    rng = np.random.default_rng(2)
+    params = {k: v for k, v in _params(rng).items() if k != "table"}
+    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2)
+    state = tx.init(params)
+    ids, x, y = _batches(rng)
+    microbatches = (ids, x, y)
+
+    def loss(p, batch):
+        _, x, y = batch
+        return jnp.mean((jnp.tanh(x @ p["wide"]) @ p["tall"] + p["bias"] - y) ** 2)
+
+    def ours(params, state, microbatches):
+        return qto.accumulate_gradients(loss, params, state, microbatches)
+
+    def dense(params, state, microbatches):  # what a leafwise accumulator carries
+        def body(total, batch):
+            return jax.tree.map(jnp.add, total, jax.grad(loss)(params, batch)), None
+
+        return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), microbatches)[0]
+
+    # Shapes where the range finder's width (rank + 4) is below each smaller side.
+    weights = {"f32[8,12]", "f32[12,8]", "f32[12,7]", "f32[7,12]"}
+
+    def weight_shaped(fn):
+        hlo = jax.jit(fn).lower(params, state, microbatches).compile().as_text()
+        scans = [
+            c for c in _while_carries(hlo) if "f32[4,6,8]" in c
+        ]  # over microbatches
+        assert scans
+        return max(sum(s in weights for s in carry) for carry in scans)
+
+    # The weights themselves ride in the carry (loop invariants): one per weight.
+    # A dense accumulator would add one more per weight.
+    assert weight_shaped(dense) == 4
+    assert weight_shaped(ours) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# optax.MultiSteps
+
+
+def test_multi_steps_on_dense_gradients_equals_the_mean_gradient():
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.standard_normal((6, 10)), jnp.float32)}
+    base = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=0.1)
+    multi = optax.MultiSteps(base, every_k_schedule=K)
+    multi_state, base_state = multi.init(params), base.init(params)
+    for _ in range(2):
+        grads = [
+            {"w": jnp.asarray(rng.standard_normal((6, 10)), jnp.float32)}
+            for _ in range(K)
+        ]
+        for g in grads:
+            updates, multi_state = multi.update(g, multi_state, params)
+        mean = jax.tree.map(lambda *g: sum(g) / K, *grads)
+        expected, base_state = base.update(mean, base_state)
+        assert_close(updates["w"], expected["w"], factor=10)
+
+
+def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
+    params = {"w": jnp.zeros((6, 10))}
+    multi = optax.MultiSteps(
+        qto.projected(optax.scale_by_adam(), rank=RANK), every_k_schedule=K
+    )
+    state = multi.init(params)
+    with pytest.raises(TypeError, match="accumulate_gradients"):
+        qto.mark(params, state)
+    with pytest.raises(TypeError, match="accumulate_gradients"):
+        qto.projectors(state)
+    # Projected gradients made by hand do not pass silently either: MultiSteps's
+    # accumulator is shaped like the parameters, not like a LowRank.
+    p = jnp.asarray(np.linalg.qr(np.ones((6, RANK)) + np.eye(6, RANK))[0], jnp.float32)
+    grads = {"w": qt.LowRank(p, jnp.ones((10, RANK)), "left")}
+    with pytest.raises((TypeError, ValueError)):
+        multi.update(grads, state, params)
+
+
+def _stacked_marks() -> bool:
+    try:
+        jax.eval_shape(lambda w: qt.projected_cotangent(w, 1), jnp.zeros((2, 3, 4)))
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _stacked_marks(), reason="projected_cotangent does not take stacked weights"
+)
+def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
+    rng = np.random.default_rng(4)
+    params = {
+        "up": jnp.asarray(rng.standard_normal((3, 8, 14)), jnp.float32) * 0.3,
+        "down": jnp.asarray(rng.standard_normal((3, 14, 8)), jnp.float32) * 0.3,
+    }
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2
+    )
+    state = tx.init(params)
+    key = jax.random.key(1)
+
+    def loss(p, batch):
+        x, y = batch
+
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["up"]) @ w["down"], None
+
+        return jnp.mean((jax.lax.scan(layer, x, p)[0] - y) ** 2)
+
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(loss, p, s, mb, key=key)
+    )
+    full_batch = jax.jit(
+        lambda p, s, b: qt.grad(lambda p: loss(qto.mark(p, s, key=key, iters=0), b))(p)
+    )
+    for _ in range(2):  # refresh, keep
+        microbatches = tuple(
+            jnp.asarray(rng.standard_normal((K, B, 8)), jnp.float32) for _ in range(2)
+        )
+        _, grads = accumulated(params, state, microbatches)
+        expected = full_batch(params, state, _full(microbatches))
+        for name in params:
+            assert grads[name].batch_ndim == 1
+            assert_close(grads[name], expected[name], factor=5)
+        updates, state = tx.update(grads, state)
+        params = qto.apply_updates(params, updates)
