@@ -18,18 +18,24 @@ def unchecked(cls: type[_T], **fields: Any) -> _T:
     """A module of `cls` from all of its fields, without running `__init__` or
     `__check_init__` (equinox runs `__check_init__` only from `__init__`).
 
-    Fields that `__init__` does not take (`init=False`) may be left out; a class that
-    fills them itself says how in a `_fill_unset_fields` method (compressed values
-    set their guard leaf there)."""
+    Fields with a default value take it when left out. Fields that `__init__` does
+    not take (`init=False`) may be left out too; a class that fills them itself says
+    how in a `_fill_unset_fields` method (compressed values set their guard leaf
+    there)."""
     all_fields = dataclasses.fields(cast(Any, cls))
     names = {f.name for f in all_fields}
-    required = {f.name for f in all_fields if f.init}
+    defaults = {
+        f.name: f.default
+        for f in all_fields
+        if f.init and f.default is not dataclasses.MISSING
+    }
+    required = {f.name for f in all_fields if f.init} - set(defaults)
     if not required <= set(fields) <= names:
         raise TypeError(
             f"{cls.__name__} needs fields {sorted(required)}, got {sorted(fields)}."
         )
     obj = object.__new__(cls)
-    for name, value in fields.items():
+    for name, value in {**defaults, **fields}.items():
         object.__setattr__(obj, name, value)
     if set(fields) != names:
         fill = getattr(obj, "_fill_unset_fields", None)
