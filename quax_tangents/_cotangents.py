@@ -381,7 +381,8 @@ class Marked(quax.ArrayValue):
 
     `view`, when set, is `(rows, cols, perm)`: the weight is seen as the array
     `(*batch, *rows, *cols)` that `array` reshapes to (`prod(rows) == m`,
-    `prod(cols) == n`), transposed by `perm` (a reshape that splits or merges one
+    `prod(cols) == n`), its non-batch dims transposed by `perm` (a reshape that
+    splits or merges one
     side, such as `(d, h * k)` to `(d, h, k)`, keeps the mark).
 
     Its cotangent stays compressed where it meets `dot_general` (and a row gather for
@@ -398,9 +399,9 @@ class Marked(quax.ArrayValue):
     def aval(self) -> jax.core.ShapedArray:
         shape = jnp.shape(self.array)
         if self.view is not None:
-            rows, cols, perm = self.view
+            rows, cols, _ = self.view
             canonical = shape[:-2] + tuple(rows) + tuple(cols)
-            shape = tuple(canonical[p] for p in perm)
+            shape = tuple(canonical[p] for p in full_perm(self.view, len(shape) - 2))
         elif self.transposed:
             shape = shape[:-2] + shape[-2:][::-1]
         return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
@@ -441,12 +442,19 @@ class Marked(quax.ArrayValue):
         return primitive.bind(*arrays, **params)
 
 
+def full_perm(view: tuple, batch_ndim: int) -> tuple[int, ...]:
+    """A view's permutation of the matrix dims, with the batch dims in front (the
+    view stores only the former, so that slicing batch dims leaves it valid)."""
+    return tuple(range(batch_ndim)) + tuple(batch_ndim + p for p in view[2])
+
+
 def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array:
     """The array a marked weight `array` is seen as (see `Marked`)."""
     if view is not None:
-        rows, cols, perm = view
+        rows, cols, _ = view
+        nb = array.ndim - 2
         array = array.reshape(array.shape[:-2] + tuple(rows) + tuple(cols))
-        array = jnp.transpose(array, perm)
+        array = jnp.transpose(array, full_perm(view, nb))
     elif transposed:
         array = jnp.swapaxes(array, -1, -2)
     return array if cast is None else array.astype(cast)
