@@ -50,6 +50,20 @@ def _add_any():
     return draw_case()
 
 
+@case("reduce_sum", "OuterSum")
+def _reduce_sum():
+    @st.composite
+    def draw_case(draw):
+        # A sum over some batch dims: the terms side by side.
+        batch = draw(batches().filter(bool))
+        x = draw(outer_sums(dtype=jnp.float32, batch=batch))
+        axes = tuple(draw(st.sets(st.sampled_from(range(len(batch))), min_size=1)))
+        fn = lambda a: jnp.sum(a, axis=axes)  # noqa: E731
+        return Case(fn, (x,), out_type=OuterSum, factor=4.0)
+
+    return draw_case()
+
+
 @st.composite
 def _with_dense(draw, outer_first):
     x = draw(outer_sums())
