@@ -36,7 +36,6 @@ import jax
 import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
-import numpy as np
 import quax
 from jax._src import config as jax_config
 from jax.interpreters import ad, batching, mlir
@@ -44,7 +43,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from . import _fallback, _validate
 from ._orthonormal import check_orthonormal
-from ._projection import Finish, finish_p, outer_sum_p, rows_p
+from ._projection import Finish, finish_p, outer_sum_p
 from ._registry import rule
 
 
@@ -413,7 +412,8 @@ class Marked(quax.ArrayValue):
 
     `view`, when set, is `(rows, cols, perm)`: the weight is seen as the array
     `(*batch, *rows, *cols)` that `array` reshapes to (`prod(rows) == m`,
-    `prod(cols) == n`), transposed by `perm` (a reshape that splits or merges one
+    `prod(cols) == n`), its non-batch dims transposed by `perm` (a reshape that
+    splits or merges one
     side, such as `(d, h * k)` to `(d, h, k)`, keeps the mark).
 
     Its cotangent stays compressed where it meets `dot_general` (and a row gather for
@@ -430,9 +430,9 @@ class Marked(quax.ArrayValue):
     def aval(self) -> jax.core.ShapedArray:
         shape = jnp.shape(self.array)
         if self.view is not None:
-            rows, cols, perm = self.view
+            rows, cols, _ = self.view
             canonical = shape[:-2] + tuple(rows) + tuple(cols)
-            shape = tuple(canonical[p] for p in perm)
+            shape = tuple(canonical[p] for p in full_perm(self.view, len(shape) - 2))
         elif self.transposed:
             shape = shape[:-2] + shape[-2:][::-1]
         return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
@@ -473,12 +473,19 @@ class Marked(quax.ArrayValue):
         return primitive.bind(*arrays, **params)
 
 
+def full_perm(view: tuple, batch_ndim: int) -> tuple[int, ...]:
+    """A view's permutation of the matrix dims, with the batch dims in front (the
+    view stores only the former, so that slicing batch dims leaves it valid)."""
+    return tuple(range(batch_ndim)) + tuple(batch_ndim + p for p in view[2])
+
+
 def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array:
     """The array a marked weight `array` is seen as (see `Marked`)."""
     if view is not None:
-        rows, cols, perm = view
+        rows, cols, _ = view
+        nb = array.ndim - 2
         array = array.reshape(array.shape[:-2] + tuple(rows) + tuple(cols))
-        array = jnp.transpose(array, perm)
+        array = jnp.transpose(array, full_perm(view, nb))
     elif transposed:
         array = jnp.swapaxes(array, -1, -2)
     return array if cast is None else array.astype(cast)
@@ -618,116 +625,6 @@ def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
     return _dot_marked(x, w, True, params)
 
 
-# ---------------------------------------------------------------------------------------
-# Row gathers from a marked table
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gather:
-    params: tuple
-
-    def bind(self, table: Any, indices: Any) -> Any:
-        return jax.lax.gather_p.bind(table, indices, **dict(self.params))
-
-
-def _row_position(params: dict, shape: tuple[int, ...]) -> int | None:
-    """Where the row number sits in a gather's index vectors, when the gather reads
-    whole rows of a `(V, d)` table; otherwise `None`."""
-    numbers = params["dimension_numbers"]
-    whole_rows = tuple(params["slice_sizes"]) == (1, shape[1])
-    if (
-        not whole_rows
-        or numbers.operand_batching_dims
-        or 0 not in numbers.start_index_map
-    ):
-        return None
-    return tuple(numbers.start_index_map).index(0)
-
-
-def _gather_fwd(gather: _Gather, table: Any, indices: Any) -> tuple[Any, tuple]:
-    return gather.bind(table, indices), (indices, jnp.shape(table))
-
-
-def _gather_bwd(gather: _Gather, residuals: tuple, ct: Any) -> tuple:
-    indices, (num_rows, row_size) = residuals
-    params = dict(gather.params)
-    ids = indices[..., _row_position(params, (num_rows, row_size))].reshape(-1)
-    offset_dims = params["dimension_numbers"].offset_dims
-    rows = jnp.moveaxis(ct, offset_dims, range(ct.ndim - len(offset_dims), ct.ndim))
-    rows = rows.reshape(-1, row_size)
-    if params["mode"] == jax.lax.GatherScatterMode.CLIP:
-        ids = jnp.clip(ids, 0, num_rows - 1)
-    else:  # out-of-bounds reads add nothing
-        inside = (ids >= 0) & (ids < num_rows)
-        rows = jnp.where(inside[:, None], rows, 0)
-        ids = jnp.where(inside, ids, 0)
-    return rows_p.bind(ids.astype(np.int32), rows, num_rows=num_rows), None
-
-
-_rows_gather = jax.custom_vjp(_Gather.bind, nondiff_argnums=(0,))
-_rows_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-@rule(jax.lax.gather_p, dense_output=True)
-def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
-    rows_read = (
-        table.kind == "rows"
-        and not table.transposed
-        and table.view is None
-        and table.ndim == 2
-    )
-    if not rows_read or _row_position(params, table.shape) is None:
-        return Marked.default(jax.lax.gather_p, (table, indices), params)
-    gather = _Gather(tuple(sorted(params.items())))
-    return _cast(_rows_gather(gather, table.array, indices), table.compute_dtype)
-
-
-def _cast(x: Array, dtype: Any) -> Array:
-    # Reading rows then casting them equals casting the table then reading it.
-    return x if dtype is None else x.astype(dtype)
-
-
-# A single row read with a scalar index (`table[i]`, `equinox.nn.Embedding` outside
-# `vmap`) is a dynamic_slice.
-
-
-def _slice_row(table: Any, row: Any, column: Any) -> Any:
-    return jax.lax.dynamic_slice_p.bind(
-        table, row, column, slice_sizes=(1, jnp.shape(table)[1])
-    )
-
-
-def _slice_fwd(table: Any, row: Any, column: Any) -> tuple[Any, tuple]:
-    return _slice_row(table, row, column), (row, jnp.shape(table)[0])
-
-
-def _slice_bwd(residuals: tuple, ct: Any) -> tuple:
-    row, num_rows = residuals
-    # dynamic_slice clamps its start so that the slice fits.
-    ids = jnp.clip(jnp.reshape(row, (1,)), 0, num_rows - 1).astype(np.int32)
-    return rows_p.bind(ids, ct, num_rows=num_rows), None, None
-
-
-_rows_slice = jax.custom_vjp(_slice_row)
-_rows_slice.defvjp(_slice_fwd, _slice_bwd)
-
-
-@rule(jax.lax.dynamic_slice_p, dense_output=True)
-def _slice_marked(
-    table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
-) -> Array:
-    rows_read = (
-        table.kind == "rows"
-        and not table.transposed
-        and table.view is None
-        and table.ndim == 2
-    )
-    if not rows_read or tuple(slice_sizes) != (1, table.shape[1]):
-        return Marked.default(
-            jax.lax.dynamic_slice_p, (table, row, column), dict(slice_sizes=slice_sizes)
-        )
-    return _cast(_rows_slice(table.array, row, column), table.compute_dtype)
-
-
-# Reshaped views of a marked weight; imported last, as they build on `Marked`.
-from . import _marked_views  # noqa: E402
+# Row gathers of a row-marked table and reshaped views of a marked weight; imported
+# last, as they build on `Marked`.
+from . import _marked_rows, _marked_views  # noqa: E402, F401

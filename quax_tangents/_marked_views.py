@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._cotangents import Marked, seen
+from ._cotangents import Marked, full_perm, seen
 from ._projection import outer_sum_p
 from ._registry import rule
 
@@ -40,7 +40,7 @@ def _in_order(w: Marked) -> bool:
     """Whether `w` is its matrix reshaped, with no transpose."""
     if w.view is None:
         return not w.transposed
-    return tuple(w.view[2]) == tuple(range(w.ndim))
+    return tuple(w.view[2]) == tuple(range(len(w.view[2])))
 
 
 @rule(jax.lax.reshape_p, dense_output=True)
@@ -57,19 +57,20 @@ def _reshape_marked(w: Marked, *, new_sizes: tuple[int, ...], **params: Any) -> 
     rows, cols = new_sizes[nb : nb + cut], new_sizes[nb + cut :]
     if (rows, cols) == ((m,), (n,)):
         return w.replace(transposed=False, view=None)
-    view = (rows, cols, tuple(range(len(new_sizes))))
+    view = (rows, cols, tuple(range(len(rows) + len(cols))))
     return w.replace(transposed=False, view=view)
 
 
 def transpose_view(w: Marked, permutation: tuple[int, ...]) -> Any:
     """`transpose` of a viewed weight: the view's permutation, composed; batch dims
     must stay in place."""
-    rows, cols, perm = w.view  # type: ignore[misc]
+    rows, cols, _ = w.view  # type: ignore[misc]
     nb = w.ndim - len(rows) - len(cols)
-    new_perm = tuple(perm[q] for q in permutation)
-    if new_perm[:nb] != tuple(range(nb)):
+    full = full_perm(w.view, nb)  # type: ignore[arg-type]
+    new_full = tuple(full[q] for q in permutation)
+    if new_full[:nb] != tuple(range(nb)):
         return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
-    return w.replace(view=(rows, cols, new_perm))
+    return w.replace(view=(rows, cols, tuple(p - nb for p in new_full[nb:])))
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ class _ViewDot:
     w_is_lhs: bool
     view: tuple
     cast: Any
+    batch_ndim: int
 
     def bind(self, x: Any, w: Any) -> Any:
         w = seen(w, False, self.cast, self.view)
@@ -103,11 +105,12 @@ def _plan(dot: _ViewDot, x_ndim: int) -> tuple | None:
     """How `x` and the output cotangent become the factors, or `None` when the dot
     does not contract exactly one side of the matrix (with the batch dims as dot
     batch dims)."""
-    rows, cols, perm = dot.view
+    rows, cols, _ = dot.view
+    nb = dot.batch_ndim
+    perm = full_perm(dot.view, nb)
     w_ndim = len(perm)
-    nb = w_ndim - len(rows) - len(cols)
     x_c, w_c, x_b, w_b = _numbers(dot)
-    if w_b != tuple(range(nb)) or tuple(perm[:nb]) != tuple(range(nb)):
+    if w_b != tuple(range(nb)):
         return None
     row_axes = set(range(nb, nb + len(rows)))
     canonical = [perm[a] for a in w_c]
@@ -160,8 +163,8 @@ def _dot_bwd(dot: _ViewDot, residuals: tuple, ct: Any) -> tuple:
     _, pullback = jax.vjp(lambda x: dot.bind(x, w), x)
     (ct_x,) = pullback(ct)
     a, b = _factors(dot, x, ct)
-    nb = len(dot.view[2]) - len(dot.view[0]) - len(dot.view[1])
-    return ct_x, outer_sum_p.bind(a.astype(w.dtype), b.astype(w.dtype), batch_ndim=nb)
+    a, b = a.astype(w.dtype), b.astype(w.dtype)
+    return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
 
 
 _factored_view_dot = jax.custom_vjp(_ViewDot.bind, nondiff_argnums=(0,))
@@ -170,7 +173,13 @@ _factored_view_dot.defvjp(_dot_fwd, _dot_bwd)
 
 def dot_view(x: ArrayLike, w: Marked, w_is_lhs: bool, params: dict) -> Any:
     """`dot_general` of a dense `x` and a viewed marked weight."""
-    dot = _ViewDot(tuple(sorted(params.items())), w_is_lhs, w.view, w.compute_dtype)  # type: ignore[arg-type]
+    dot = _ViewDot(
+        tuple(sorted(params.items())),
+        w_is_lhs,
+        w.view,  # type: ignore[arg-type]
+        w.compute_dtype,
+        jnp.ndim(w.array) - 2,
+    )
     if w.kind == "rows" or _plan(dot, jnp.ndim(x)) is None:
         operands = (w, x) if w_is_lhs else (x, w)
         return Marked.default(jax.lax.dot_general_p, operands, params)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
 from tests.helpers import assert_close, random_array
@@ -454,3 +455,39 @@ def test_a_reshape_that_mixes_the_sides_is_counted():
 
     with qt.fallback("error"), pytest.raises(qt.DensificationError, match="reshape"):
         qt.grad(loss)(w)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_the_gradient_through_any_view_matches_dense(data):
+    # A (*batch, m, n) weight, reshaped to (*batch, *rows, *cols), its matrix dims
+    # permuted, and contracted over one whole side in a drawn order.
+    draw = data.draw
+    batch = tuple(draw(st.integers(1, 2)) for _ in range(draw(st.integers(0, 1))))
+    rows = draw(st.sampled_from([(4,), (2, 2)]))
+    cols = draw(st.sampled_from([(6,), (2, 3), (3, 2)]))
+    nb, k = len(batch), len(rows) + len(cols)
+    perm = tuple(draw(st.permutations(range(k))))
+    full = tuple(range(nb)) + tuple(nb + p for p in perm)
+    side = draw(st.sampled_from(["rows", "cols"]))
+    lo, hi = (nb, nb + len(rows)) if side == "rows" else (nb + len(rows), nb + k)
+    w_c = list(
+        draw(st.permutations([a for a in range(nb, nb + k) if lo <= full[a] < hi]))
+    )
+    w = random_array(draw(st.integers(0, 99)), (*batch, 4, 6))
+    shape = tuple((*batch, *rows, *cols)[p] for p in full)
+    # One row: a factored gradient of rank 1 stays within the budget.
+    x = random_array(7, (*batch, 1, *(shape[a] for a in w_c)))
+    x_c = tuple(range(nb + 1, x.ndim))
+    dims = ((x_c, tuple(w_c)), (tuple(range(nb)), tuple(range(nb))))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.factored_cotangent(w)
+        view = jnp.transpose(w.reshape(*batch, *rows, *cols), full)
+        return jnp.sum(jnp.sin(jax.lax.dot_general(x, view, dims)))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    assert isinstance(grad, qt.LowRank) and grad.batch_ndim == nb
+    assert_close(grad, jax.grad(loss)(w, False))

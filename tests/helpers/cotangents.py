@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._cotangents import Marked, mark_p
+from quax_tangents._cotangents import Marked, full_perm, mark_p
 from quax_tangents._lax import add_any_p
 from quax_tangents._projection import Finish, finish_p, outer_sum_p, rows_p
 from quax_tangents._types.outer import OuterSum
@@ -46,6 +46,20 @@ def _add_any():
         x = draw(outer_sums())
         y = draw(outer_sums(x.shape[-2:], x.dtype, x.shape[:-2]))
         return Case(add_any_p.bind, (x, y), x.dtype, OuterSum, factor=4.0)
+
+    return draw_case()
+
+
+@case("reduce_sum", "OuterSum")
+def _reduce_sum():
+    @st.composite
+    def draw_case(draw):
+        # A sum over some batch dims: the terms side by side.
+        batch = draw(batches().filter(bool))
+        x = draw(outer_sums(dtype=jnp.float32, batch=batch))
+        axes = tuple(draw(st.sets(st.sampled_from(range(len(batch))), min_size=1)))
+        fn = lambda a: jnp.sum(a, axis=axes)  # noqa: E731
+        return Case(fn, (x,), out_type=OuterSum, factor=4.0)
 
     return draw_case()
 
@@ -207,11 +221,13 @@ def _mark():
 def _transpose():
     @st.composite
     def draw_case(draw):
-        w = draw(_marked())
-        nb = w.ndim - 2
-        # The last two dims swapped or kept; batch dims permuted (dense, counted).
+        w = draw(_viewed()) if draw(st.booleans()) else draw(_marked())
+        # The matrix dims permuted; batch dims permuted too (dense, counted).
+        nb = w.array.ndim - 2
         batch = draw(st.permutations(range(nb))) if nb else []
-        matrix = draw(st.sampled_from([(nb, nb + 1), (nb + 1, nb)]))
+        matrix = tuple(draw(st.permutations(range(nb, w.ndim))))
+        if w.view is None:
+            matrix = draw(st.sampled_from([(nb, nb + 1), (nb + 1, nb)]))
         permutation = (*batch, *matrix)
         # Bound directly: `lax.transpose` skips the identity permutation.
         fn = lambda a: jax.lax.transpose_p.bind(a, permutation=permutation)  # noqa: E731
@@ -272,7 +288,46 @@ def _reshape():
 
 
 @st.composite
+def _viewed(draw):
+    """A `Marked` seen through a view: rows and columns each split into one or two
+    dims, the non-batch dims permuted."""
+    w = draw(_marked(kind=draw(st.sampled_from(["factored", "projected"]))))
+    *_, m, n = w.array.shape
+    rows = draw(st.sampled_from(_factorisations(m)))
+    cols = draw(st.sampled_from(_factorisations(n)))
+    perm = tuple(draw(st.permutations(range(len(rows) + len(cols)))))
+    return w.replace(transposed=False, view=(rows, cols, perm))
+
+
+@st.composite
+def _dot_viewed(draw, marked_first):
+    """A contraction of every dim of one side of a viewed weight, in a drawn order."""
+    w = draw(_viewed())
+    rows, cols, _ = w.view
+    nb = w.array.ndim - 2
+    full = full_perm(w.view, nb)
+    side = draw(st.sampled_from(["rows", "cols"]))
+    lo, hi = (nb, nb + len(rows)) if side == "rows" else (nb + len(rows), w.ndim)
+    w_c = [a for a in range(nb, w.ndim) if lo <= full[a] < hi]
+    w_c = list(draw(st.permutations(w_c)))
+    free_shape = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2))))
+    batch = w.shape[:nb]
+    x = random_array(draw(seeds()), batch + free_shape + tuple(w.shape[a] for a in w_c))
+    x_c = tuple(range(nb + len(free_shape), x.ndim))
+    batch_dims = (tuple(range(nb)), tuple(range(nb)))
+    if marked_first:
+        dims = ((tuple(w_c), x_c), batch_dims)
+        fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
+        return Case(fn, (w, x), w.dtype, out_type=jax.Array)
+    dims = ((x_c, tuple(w_c)), batch_dims)
+    fn = lambda a, b: jax.lax.dot_general(a, b, dims)  # noqa: E731
+    return Case(fn, (x, w), w.dtype, out_type=jax.Array)
+
+
+@st.composite
 def _dot(draw, marked_first):
+    if draw(st.booleans()):
+        return draw(_dot_viewed(marked_first))
     w = draw(_marked())
     nb = w.ndim - 2
     m, n = w.shape[-2:]
