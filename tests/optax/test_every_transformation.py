@@ -290,7 +290,11 @@ def test_a_learning_rate_chained_after_projected_names_the_fix():
     params = {"w": jnp.zeros((6, 10))}
     rng = np.random.default_rng(0)
     projector = np.linalg.qr(rng.standard_normal((6, 2)))[0].astype(np.float32)
-    g = qt.LowRank(jnp.asarray(projector), jnp.asarray(rng.standard_normal((10, 2))))
+    g = qt.LowRank(
+        jnp.asarray(projector),
+        jnp.asarray(rng.standard_normal((10, 2)), jnp.float32),
+        projector_side="left",
+    )
     fix = r"quax_tangents\.optax\.projected\(\.\.\., learning_rate=\.\.\.\)"
     with pytest.raises(TypeError, match=fix):
         tx.update({"w": g}, tx.init(params))
