@@ -79,7 +79,7 @@ def measure(shape: tuple[int, int]) -> list[dict]:
             row = {"name": name, "n": n, "dense": dense}
             for method_name, method in METHODS.items():
 
-                def body(x, method=method):
+                def body(x, method=method, compressor=compressor):
                     out = qt.all_reduce(compressor(x[0]), AXIS, method)
                     return qt.materialise(out)
 

@@ -68,8 +68,8 @@ from ._hlo import (
     received_bytes as received_bytes,
 )
 from ._primitives import compress as compress, materialise as materialise
-from ._schedule import Cheapest as Cheapest, schedule_bytes as schedule_bytes
 from ._scatter import TwoPhase as TwoPhase, reduce_scatter as reduce_scatter
+from ._schedule import Cheapest as Cheapest, schedule_bytes as schedule_bytes
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.rows import SparseRows as SparseRows

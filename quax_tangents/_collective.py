@@ -27,8 +27,8 @@ from ._devices import (
     dense_all_reduce,
     gather,
 )
-from ._schedule import Cheapest
 from ._scatter import TwoPhase
+from ._schedule import Cheapest
 from ._types.lowrank import LowRank
 from ._types.signnorm import SignNorm
 from ._unchecked import unchecked

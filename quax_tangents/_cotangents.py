@@ -299,6 +299,7 @@ class _State(threading.local):
 
 _state = _State()
 
+
 # The mode is part of JAX's trace context, so that `jax.jit` keeps the traces that
 # an entry point made (with marks bound as `mark_p`) apart from plain JAX's (marks
 # as the custom_vjp identity): `jax.grad` and `quax_tangents.grad` of one jitted

@@ -20,9 +20,9 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import ArrayLike, PyTree
 
 from ._base import materialise_values
-from ._validate import values_unchecked
 from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
+from ._validate import values_unchecked
 
 
 def _map_leading(fn: Callable, batch_ndim: int) -> Callable:

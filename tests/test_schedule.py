@@ -220,7 +220,7 @@ def test_auto_compress_on_two_and_eight_devices_converges():
         int8 = ft.partial(qt.quantize, bits=8)
         tx = optax.chain(qto.compress(int8, axis_name=AXIS), optax.sgd(0.05))
 
-        def run(a, b):
+        def run(a, b, tx=tx):
             w = jnp.zeros((16, 8))
             state = tx.init(w)
 

@@ -13,7 +13,6 @@ from jaxtyping import Array, PyTree
 
 from .._base import ChunkCompressor, CompressedArray
 from .._collective import GatherSum, all_reduce
-from .._schedule import Schedule, cheapest_schedule, dense_sum
 from .._devices import axis_is_bound, axis_size, device_varying
 from .._scatter import (
     chunk_elems,
@@ -21,6 +20,7 @@ from .._scatter import (
     reduce_scatter,
     two_phase_sum,
 )
+from .._schedule import Schedule, cheapest_schedule, dense_sum
 from .._types.quantized import Quantized
 from .._validate import values_unchecked
 from ._common import (
