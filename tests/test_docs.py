@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from .helpers.docs import ROOT, normalise, read_blocks, run_page
+from tests.helpers.docs import ROOT, normalise, read_blocks, run_page
 
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
