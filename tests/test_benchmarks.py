@@ -112,3 +112,22 @@ def test_compression_benchmark_quick(tmp_path):
     )
     assert targets == ["met"] * 4, targets
     assert "| holds:" in text and "VIOLATED" not in text
+
+
+def test_encoders_benchmark_quick(tmp_path):
+    # The script exits non-zero when a baseline's output differs from the library's
+    # (bit for bit, encoded and decoded), which `run_script` turns into a failure.
+    # Timings are not checked: the machine is shared and the sizes are tiny.
+    text = _run_quick("bench_encoders.py", tmp_path / "encoders.md")
+    assert "bench_encoders.py --quick --out" in text
+    rows = re.findall(
+        r"^\| ([^|]+): (encode|decode) \| 64 x 64 \| [0-9.]+ \| [0-9.]+ \| "
+        r"[0-9.]+x \| [0-9.]+ - [0-9.]+ \| \(smoke run\) \|$",
+        text,
+        re.M,
+    )
+    names = {name for name, _ in rows}
+    assert len(rows) == 10 and len(names) == 5, rows
+    for name in ("sign_norm", "quantize 8-bit", "quantize 4-bit", "top_k"):
+        assert any(n.startswith(name) for n in names), (name, names)
+    assert "## What the overflow safety costs" in text
