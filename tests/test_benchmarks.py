@@ -101,6 +101,30 @@ def test_collective_benchmark_quick(tmp_path):
     assert "| method | 2 devices | 4 devices | 8 devices |" in text
 
 
+def test_collective_benchmark_step_times_only_quick(tmp_path):
+    # Only the two-phase step-time rows, once each (the ratios are not checked).
+    out = tmp_path / "step_times.md"
+    run_script(
+        BENCHMARKS / "bench_collective.py",
+        "--step-times-only",
+        "--quick",
+        "--runs",
+        "1",
+        "--out",
+        str(out),
+    )
+    text = out.read_text()
+    assert "bench_collective.py --step-times-only --quick --runs 1 --out" in text
+    for name in ("int8-two-phase", "sign-ef-two-phase"):
+        assert re.search(
+            rf"^\| {name}: step wall time <= 1.5 x dense \| [0-9.]+x \| [0-9.]+x \| "
+            r"[0-9.]+ - [0-9.]+ \| (met|MISSED) \|$",
+            text,
+            re.M,
+        ), text
+    assert "| powersgd" not in text  # nothing else was trained
+
+
 def test_compression_benchmark_quick(tmp_path):
     # The script exits non-zero when a storage target is missed or a documented
     # error bound does not hold, which `run_script` turns into a failure.
