@@ -6,7 +6,9 @@ Run it with
     python benchmarks/bench_collective.py
 
 (about ten minutes on two CPU cores; `--quick` for a smoke run, whose results go to
-`benchmarks/results/quick/`, which git ignores). It writes
+`benchmarks/results/quick/`, which git ignores; `--step-times-only` measures only the
+two-phase step times against dense, `--runs` times, into
+`benchmarks/results/bench_collective_step_times.md`). It writes
 `benchmarks/results/bench_collective.md` and `bench_collective.png`. It trains the MLP of
 `examples/data_parallel.py` on 8 host CPU devices with every method of that example,
 then checks:
