@@ -6,7 +6,9 @@ Run it with
     python benchmarks/bench_collective.py
 
 (about ten minutes on two CPU cores; `--quick` for a smoke run, whose results go to
-`benchmarks/results/quick/`, which git ignores). It writes
+`benchmarks/results/quick/`, which git ignores; `--step-times-only` measures only the
+two-phase step times against dense, `--runs` times, into
+`benchmarks/results/bench_collective_step_times.md`). It writes
 `benchmarks/results/bench_collective.md` and `bench_collective.png`. It trains the MLP of
 `examples/data_parallel.py` on 8 host CPU devices with every method of that example,
 then checks:
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _report import ROOT, default_out, environment, produced_by
+from _report import RESULTS, ROOT, default_out, environment, produced_by
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
@@ -82,6 +84,8 @@ TWO_PHASE_SLACK = 2.2
 TWO_PHASE_FEWER = {"int8-two-phase": 1.8, "sign-ef-two-phase": 14.0}
 TARGET_TIME_RATIO = 1.5
 SWEEP_DEVICES = (2, 4, 8)
+# Where `--step-times-only` writes its report.
+STEP_TIMES_OUT = RESULTS / "bench_collective_step_times.md"
 
 
 def two_phase_methods() -> dict:
@@ -552,6 +556,60 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
     return text
 
 
+def run_step_times(quick: bool, out: pathlib.Path, runs: int) -> str:
+    """Only the two-phase step-time targets: `runs` independent measurements (each
+    the median over rounds of `step_time_ratios`) of the int8 and sign two-phase
+    steps against the dense step, with their median and spread."""
+    load_at_start = os.getloadavg()
+    started = time.perf_counter()
+    setup = plan(quick)
+    mesh, data = example.make_mesh(), example.load_data()
+    names = ["dense", *TWO_PHASE_FEWER]
+    measured = collections.defaultdict(list)
+    for run_index in range(runs):
+        ratios = step_time_ratios(
+            names, data, setup.config, mesh, repeats=3 if quick else 15
+        )
+        for name in TWO_PHASE_FEWER:
+            measured[name].append(ratios[name])
+        print(f"run {run_index + 1}: {ratios}", flush=True)
+    rows = [
+        f"| {name}: step wall time <= {TARGET_TIME_RATIO} x dense | "
+        + ", ".join(f"{r:.2f}x" for r in ratios)
+        + f" | {np.median(ratios):.2f}x | {min(ratios):.2f} - {max(ratios):.2f} | "
+        f"{_verdict(np.median(ratios) <= TARGET_TIME_RATIO)} |"
+        for name, ratios in measured.items()
+    ]
+    elapsed = time.perf_counter() - started
+    sizes = " -> ".join(map(str, setup.config.sizes))
+    lines = [
+        *produced_by("Two-phase all-reduce: step time against the dense step"),
+        *environment(
+            ("jax", "jaxlib", "quax", "optax", "quax-tangents"),
+            f"{jax.default_backend()}, {len(jax.devices())} host devices",
+            load_at_start,
+        ),
+        f"- {'quick (smoke) run' if quick else 'full run'}: MLP {sizes} (ReLU), "
+        f"{example.DEVICES} host CPU devices, {setup.config.batch_per_device} "
+        f"examples per device per step; {runs} runs; total wall time {elapsed:.0f} s.",
+        "",
+        "Each run compiles one call of "
+        f"{setup.config.steps_per_call} training steps for dense and for each "
+        "two-phase method, then times the calls in turn, round after round; a run's "
+        "ratio is the median over its rounds of the method's time over dense's in "
+        "the same round. The verdict is on the median of the runs.",
+        "",
+        "| target | ratio of each run | median | spread (min - max) | verdict |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    text = "\n".join(lines)
+    out.write_text(text)
+    print(text)
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # The description is the docstring's first paragraph: its first sentence.
     description = " ".join(__doc__.split("\n\n")[0].split())
@@ -565,11 +623,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick)",
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--step-times-only",
+        action="store_true",
+        help="measure only the step time of the int8 and sign two-phase steps "
+        "against the dense step, --runs times (minutes instead of the full run's "
+        "quarter of an hour); the report goes to --out (default: "
+        f"{STEP_TIMES_OUT}, or its quick/ twin with --quick)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="independent measurements for --step-times-only (default 3)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.step_times_only:
+        default = STEP_TIMES_OUT
+        if args.quick:
+            default = default.parent / "quick" / default.name
+        out = args.out or default
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run_step_times(args.quick, out, args.runs)
+        return
     out = args.out or default_out(__file__, args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     run(args.quick, out, progress=not args.no_progress)

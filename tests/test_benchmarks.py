@@ -105,6 +105,30 @@ def test_collective_benchmark_quick(tmp_path):
     assert "| method | 2 devices | 4 devices | 8 devices |" in text
 
 
+def test_collective_benchmark_step_times_only_quick(tmp_path):
+    # Only the two-phase step-time rows, once each (the ratios are not checked).
+    out = tmp_path / "step_times.md"
+    run_script(
+        BENCHMARKS / "bench_collective.py",
+        "--step-times-only",
+        "--quick",
+        "--runs",
+        "1",
+        "--out",
+        str(out),
+    )
+    text = out.read_text()
+    assert "bench_collective.py --step-times-only --quick --runs 1 --out" in text
+    for name in ("int8-two-phase", "sign-ef-two-phase"):
+        assert re.search(
+            rf"^\| {name}: step wall time <= 1.5 x dense \| [0-9.]+x \| [0-9.]+x \| "
+            r"[0-9.]+ - [0-9.]+ \| (met|MISSED) \|$",
+            text,
+            re.M,
+        ), text
+    assert "| powersgd" not in text  # nothing else was trained
+
+
 def test_compression_benchmark_quick(tmp_path):
     # The script exits non-zero when a storage target is missed or a documented
     # error bound does not hold, which `run_script` turns into a failure.
@@ -125,3 +149,22 @@ def test_schedule_benchmark_quick(tmp_path):
     assert "bench_schedule.py --quick --out" in text
     rows = re.findall(r"^\| [^|]+ \| [248] \|.*\| (\S+) \|$", text, re.M)
     assert rows == ["ok"] * 15, rows
+
+
+def test_encoders_benchmark_quick(tmp_path):
+    # The script exits non-zero when a baseline's output differs from the library's
+    # (bit for bit, encoded and decoded), which `run_script` turns into a failure.
+    # Timings are not checked: the machine is shared and the sizes are tiny.
+    text = _run_quick("bench_encoders.py", tmp_path / "encoders.md")
+    assert "bench_encoders.py --quick --out" in text
+    rows = re.findall(
+        r"^\| ([^|]+): (encode|decode) \| 64 x 64 \| [0-9.]+ \| [0-9.]+ \| "
+        r"[0-9.]+x \| [0-9.]+ - [0-9.]+ \| \(smoke run\) \|$",
+        text,
+        re.M,
+    )
+    names = {name for name, _ in rows}
+    assert len(rows) == 10 and len(names) == 5, rows
+    for name in ("sign_norm", "quantize 8-bit", "quantize 4-bit", "top_k"):
+        assert any(n.startswith(name) for n in names), (name, names)
+    assert "## What the overflow safety costs" in text

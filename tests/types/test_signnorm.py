@@ -210,6 +210,21 @@ def test_error_bound_at_the_float32_edges(event_shape, block_size, seed, edge):
         )
 
 
+def test_single_element_blocks_keep_every_normal_magnitude():
+    # One element per block: the norm is the magnitude itself, at every binade of
+    # float32 from the smallest normal to the largest finite value, so the power of
+    # two that scales each block is right over the whole exponent range.
+    exponents = np.arange(-126, 128)
+    x = np.concatenate(
+        [np.ldexp(np.float32(1.0), exponents), np.ldexp(np.float32(1.75), exponents)]
+    ).astype(np.float32)
+    x[: len(x) // 2 : 2] *= -1
+    x = np.append(x, _F32.max)
+    s = qt.sign_norm(x, block_size=1)
+    np.testing.assert_array_equal(s.norms, np.abs(x))
+    np.testing.assert_array_equal(s.materialise(), x)
+
+
 @pytest.mark.parametrize("block_size", [None, 1, 3, 8])
 def test_subnormal_values_err_by_less_than_the_smallest_normal(block_size):
     x = random_array(0, (3, 4)) * np.float32(1e-40)
@@ -253,6 +268,13 @@ def test_sign_norm_under_jit_and_vmap():
     batched = jax.vmap(lambda a: qt.sign_norm(a, 4))(xs)
     assert batched.shape == (3, 2, 5) and batched.bits.shape == (3, 3, 1)
     assert_close(batched.materialise()[1], eager.materialise())
+    # One block per example (reduced as a whole array): one norm each.
+    whole = jax.vmap(qt.sign_norm)(xs)
+    assert whole.norms.shape == (3, 1)
+    for i in range(3):
+        single = qt.sign_norm(xs[i])
+        np.testing.assert_array_equal(whole.bits[i], single.bits)
+        np.testing.assert_allclose(whole.norms[i], single.norms, rtol=1e-6)
 
 
 @pytest.mark.parametrize("scalar", [-2.0, 0.0, 3.0])
