@@ -112,3 +112,11 @@ def test_compression_benchmark_quick(tmp_path):
     )
     assert targets == ["met"] * 4, targets
     assert "| holds:" in text and "VIOLATED" not in text
+
+
+def test_transformer_benchmark_quick(tmp_path):
+    text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
+    assert "bench_transformer.py --quick --out" in text
+    verdicts = re.findall(r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M)
+    # Four targets per projected arm; no step time in quick mode.
+    assert len(verdicts) == 8 and all(v == "met" for _, v in verdicts), verdicts
