@@ -101,8 +101,8 @@ def factor_ratio(grads: Any, params: Any, weights: Any) -> float:
     """The largest, over projected leaves, of the bytes of the gradient's factor
     that is not the projector, over `r / min(m, n)` of the dense gradient's."""
     worst = 0.0
-    is_low_rank = lambda x: isinstance(x, qt.LowRank)  # noqa: E731
-    leaves = jax.tree.leaves(grads, is_leaf=is_low_rank)
+    is_compressed = lambda x: isinstance(x, qt.CompressedArray)  # noqa: E731
+    leaves = jax.tree.leaves(grads, is_leaf=is_compressed)
     for g, w, chosen in zip(leaves, jax.tree.leaves(params), jax.tree.leaves(weights)):
         if not chosen:
             continue
@@ -127,8 +127,9 @@ def report(example: Any, config: Any, results: list[Measured], ratios) -> str:
     )
     lines = [
         *produced_by("The transformer example's targets"),
-        *environment(("jax", "equinox", "optax", "quax"), jax.default_backend(),
-                     os.getloadavg()),
+        *environment(
+            ("jax", "equinox", "optax", "quax"), jax.default_backend(), os.getloadavg()
+        ),
         f"- Model: {example.describe(config, params)}",
         "- Compiled steps of `examples/transformer.py` (parameters and state "
         "donated). FLOPs: `cost_analysis()` of the step compiled with the projectors "
@@ -173,8 +174,11 @@ def report(example: Any, config: Any, results: list[Measured], ratios) -> str:
         if ratios:
             relative = ratios[results.index(r)] / ratios[1]
             rows.append(
-                ("step time at most galore's", f"{relative:.2f} of galore's",
-                 relative <= 1.0)
+                (
+                    "step time at most galore's",
+                    f"{relative:.2f} of galore's",
+                    relative <= 1.0,
+                )
             )
         lines += [
             f"| {what} | {r.name} | {numbers} | {'met' if met else 'missed'} |"

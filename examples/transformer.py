@@ -238,9 +238,7 @@ def positions(seq: int, d: int) -> jax.Array:
 def loss_fn(params: Any, static: Any, batch: jax.Array) -> jax.Array:
     """Mean next-character cross-entropy of `batch` `(batch, seq + 1)`."""
     logits = eqx.combine(params, static)(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch[:, 1:]
-    ).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
 def init(config: Config, vocabulary: int, seed: int) -> tuple[Any, Any]:
@@ -467,7 +465,9 @@ class Run:
 
 
 def validation_loss(params: Any, static: Any, data: np.ndarray) -> float:
-    mean = eqx.filter_jit(lambda p, d: jnp.mean(jax.lax.map(lambda b: loss_fn(p, static, b), d)))
+    mean = eqx.filter_jit(
+        lambda p, d: jnp.mean(jax.lax.map(lambda b: loss_fn(p, static, b), d))
+    )
     return float(mean(params, jnp.asarray(data)))
 
 
@@ -694,7 +694,9 @@ def measure_memory(config: Config, seed: int = 0) -> MemoryResult:
         if arm.steady is not None:
             compiled = compile_step(arm.steady, *inputs)
             steady[arm.name] = compiled.memory_analysis().temp_size_in_bytes
-    working = refresh_working_set(params, projected_weights(params, config.rank), config)
+    working = refresh_working_set(
+        params, projected_weights(params, config.rank), config
+    )
     return MemoryResult(config, params, result, steady, working)
 
 

@@ -117,6 +117,8 @@ def test_compression_benchmark_quick(tmp_path):
 def test_transformer_benchmark_quick(tmp_path):
     text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
     assert "bench_transformer.py --quick --out" in text
-    verdicts = re.findall(r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M)
+    verdicts = re.findall(
+        r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M
+    )
     # Four targets per projected arm; no step time in quick mode.
     assert len(verdicts) == 8 and all(v == "met" for _, v in verdicts), verdicts
