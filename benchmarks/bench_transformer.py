@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _report import add_out_argument, default_out, environment, produced_by
 
 import quax_tangents as qt
-from _report import add_out_argument, default_out, environment, produced_by
 
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "transformer.py"
