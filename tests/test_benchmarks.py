@@ -120,5 +120,5 @@ def test_transformer_benchmark_quick(tmp_path):
     verdicts = re.findall(
         r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M
     )
-    # Four targets per projected arm; no step time in quick mode.
-    assert len(verdicts) == 8 and all(v == "met" for _, v in verdicts), verdicts
+    # Three targets per projected arm; no step time in quick mode.
+    assert len(verdicts) == 6 and all(v == "met" for _, v in verdicts), verdicts
