@@ -168,3 +168,13 @@ def test_encoders_benchmark_quick(tmp_path):
     for name in ("sign_norm", "quantize 8-bit", "quantize 4-bit", "top_k"):
         assert any(n.startswith(name) for n in names), (name, names)
     assert "## What the overflow safety costs" in text
+
+
+def test_transformer_benchmark_quick(tmp_path):
+    text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
+    assert "bench_transformer.py --quick --out" in text
+    verdicts = re.findall(
+        r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M
+    )
+    # Three targets per projected arm; no step time in quick mode.
+    assert len(verdicts) == 6 and all(v == "met" for _, v in verdicts), verdicts
