@@ -201,9 +201,7 @@ def _per_slice(spec: Finish) -> tuple[bool, ...]:
         "fresh": (True,),
         "switch": (True, False, True),
         "sketch": (True,),
-    }[
-        spec.source
-    ]
+    }[spec.source]
 
 
 def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:

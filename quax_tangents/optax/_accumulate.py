@@ -31,8 +31,8 @@ from .. import _ad
 from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
 from .._projection import Finish, sketch_width, test_matrix
 from .._types.lowrank import LowRank
-from .._unchecked import unchecked
 from .._types.rows import SparseRows
+from .._unchecked import unchecked
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
 from ._mark import leaf_keys, plan_leaves

@@ -477,6 +477,8 @@ def test_one_sided_broadcasting_jvp_is_dense_unless_broadcast_first():
         )
     assert isinstance(explicit, qt.LowRank)
     assert_close(explicit, expected)
+
+
 # projector_side and sums that share a factor
 
 
