@@ -7,8 +7,9 @@ trace is involved, so `check_vma=True` types every field like any other array.
 Why not `jax.lax.psum`: handed a compressed value, `lax.psum` flattens it and sums its
 fields, which is not the sum of the arrays it represents (the sum of the left factors
 times the sum of the right factors is not the sum of the products; summed indices
-point elsewhere; summed int8 codes wrap). JAX flattens pytrees before any type could
-object, so this cannot be made to raise; `all_reduce` is the path to use.
+point elsewhere; summed int8 codes wrap). Every compressed value's guard leaf (see
+`_guard.py`) makes it raise instead, with a message that names the fix; `all_reduce`
+is the path to use.
 """
 
 from collections.abc import Callable
@@ -257,8 +258,8 @@ def all_reduce(
     Values that are replicated (not varying over `axis_name`) are made varying first
     (`pvary`), so each device's copy counts once, as `lax.psum` counts it.
 
-    Do not hand compressed values to `lax.psum` instead: it sums their fields, which is
-    silently wrong (see this module's documentation). Inside a quaxified function
+    Do not hand compressed values to `lax.psum` instead: it would sum their fields,
+    and raises (see this module's documentation). Inside a quaxified function
     `lax.psum` sees quax tracers; with `check_vma=True` it then raises (the values'
     types do not say they vary), and with `check_vma=False` it densifies, counted and
     subject to `quax_tangents.fallback`. Call `all_reduce` outside the quaxified

@@ -32,7 +32,6 @@ that, for a guard only, the error carries the message; every other key array get
 JAX's own error unchanged.
 """
 
-import functools
 import inspect
 from typing import Any
 
@@ -77,14 +76,24 @@ _GUARD_IMPL = jex_random.define_prng_impl(
 )
 
 
-@functools.cache
+_CONCRETE: dict[tuple[int, ...], jax.Array] = {}
+
+
 def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
-    """The guard leaf of a value with these batch dims: a concrete, zero-byte key
-    array of shape `(*batch_shape, 1, 1)`, made once per shape (a constant under a
-    trace)."""
+    """The guard leaf of a value with these batch dims: a zero-byte key array of
+    shape `(*batch_shape, 1, 1)`. Made once per shape where it can be concrete (a
+    constant under `jit`); inside traces that evaluation cannot leave (a `shard_map`
+    body) it is made afresh, never kept, so that no tracer outlives its trace."""
+    batch_shape = tuple(batch_shape)
+    cached = _CONCRETE.get(batch_shape)
+    if cached is not None:
+        return cached
     with jax.ensure_compile_time_eval():
         data = np.zeros((*batch_shape, 1, 1, 0), np.uint32)
-        return jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
+        made = jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
+    if not isinstance(made, jax.core.Tracer):
+        _CONCRETE[batch_shape] = made
+    return made
 
 
 GUARD_DTYPE = guard(()).dtype

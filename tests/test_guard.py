@@ -152,3 +152,19 @@ def test_values_pickle_with_their_guard():
     restored = pickle.loads(pickle.dumps(value))
     assert len(_guards(restored)) == 1
     assert_close(restored, value.materialise())
+
+
+def test_a_guard_made_inside_shard_map_is_not_kept():
+    # Compile-time evaluation cannot leave a `shard_map` body: a guard made there is
+    # a tracer, and keeping it for later values would leak it.
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("d",))
+    left, right = random_array(0, (5, 7, 6, 2)), random_array(1, (5, 7, 4, 2))
+
+    def body(left, right):
+        return qt.LowRank(left, right).materialise()
+
+    jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(left, right)
+    (guard,) = _guards(qt.LowRank(left, right))
+    assert not isinstance(guard, jax.core.Tracer) and guard.shape == (5, 7, 1, 1)

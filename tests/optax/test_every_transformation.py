@@ -311,3 +311,17 @@ def test_optax_apply_updates_is_exact(type_name):
         out = optax.apply_updates(params, updates)
     assert_close(out["w"], params["w"] + qt.materialise(updates["w"]))
     assert qt.fallback_counts()
+
+
+def test_the_check_sees_a_wrong_update():
+    # A transformation that drops the guard (a filter for floating leaves) and
+    # scales the factors: the comparison with `lift` must catch it.
+    import equinox as eqx
+
+    def scale_floating_leaves(updates, params):
+        del params
+        kept = eqx.filter(updates, eqx.is_inexact_array)
+        return jax.tree.map(lambda g: -0.1 * g, kept)
+
+    with pytest.raises(AssertionError, match="max error"):
+        _outcome(optax.stateless(scale_floating_leaves), "LowRank")
