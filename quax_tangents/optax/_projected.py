@@ -133,8 +133,9 @@ def projected(
     - `base`: a transformation that takes no parameters, e.g.
         `optax.scale_by_adam()`. With `learning_rate=None` it holds the learning
         rate (`optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(lr))`).
-        Do not chain a transformation *after* `projected`: optax would scale both
-        factors of each `LowRank` update (see the sharp bits).
+        Nothing needs to follow `projected` in a chain: a transformation chained
+        after it would scale both factors of each `LowRank` update, and raises a
+        `TypeError` naming `learning_rate=` instead (see the sharp bits).
     - `rank`: the projection rank.
     - `learning_rate`: a float or an optax schedule (evaluated at the step count),
         applied to every update as `optax.scale_by_learning_rate` would; `None`
