@@ -123,9 +123,7 @@ def _blocks(x: Array, block: int) -> Array:
     return x.reshape(*x.shape[:-1], count, block)
 
 
-def _level(
-    u: Array, octaves: float, levels: int, noise: Array | None
-) -> Array:
+def _level(u: Array, octaves: float, levels: int, noise: Array | None) -> Array:
     """The level `1..levels` of magnitudes `u` in `(0, 1]` relative to the block's
     largest, or 0 where `u` rounds to zero. Level `j` stands for
     `2**(-octaves (levels - j) / (levels - 1))`."""
@@ -170,9 +168,9 @@ def _decode(codes: Array, scales: Array, shape: tuple[int, ...], dtype: Any) -> 
     unsigned = _magnitude(k, _UNSIGNED_OCTAVES, _UNSIGNED_LEVELS)
     c = k - _SIGNED_ZERO
     signed = jnp.sign(c) * _magnitude(jnp.abs(c), _SIGNED_OCTAVES, _SIGNED_LEVELS)
-    values = jnp.where(scales[..., None] < 0, signed, unsigned) * jnp.abs(scales)[
-        ..., None
-    ]
+    values = (
+        jnp.where(scales[..., None] < 0, signed, unsigned) * jnp.abs(scales)[..., None]
+    )
     values = values.reshape(*values.shape[:-2], -1)[..., : shape[-1]]
     return values.astype(dtype)
 

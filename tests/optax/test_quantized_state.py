@@ -39,9 +39,7 @@ def _llama_like(dtype, hidden=768, inter=2048, layers=12, vocab=32000):
     }
 
 
-@pytest.mark.parametrize(
-    "dtype, limit", [(jnp.float32, 0.27), (jnp.bfloat16, 0.53)]
-)
+@pytest.mark.parametrize("dtype, limit", [(jnp.float32, 0.27), (jnp.bfloat16, 0.53)])
 def test_state_bytes_of_a_llama_sized_tree(dtype, limit):
     params = _llama_like(dtype)
     dense = jax.eval_shape(optax.adam(1e-3).init, params)
@@ -237,7 +235,8 @@ def test_composes_with_projected_either_way():
         g = rng.standard_normal(shape).astype(np.float32)
         grads = {"w": _marked(g, projector), "b": jnp.ones(8)}
         results = [
-            jax.jit(tx.update)(grads, state) for tx, state in zip((inside, outside), states)
+            jax.jit(tx.update)(grads, state)
+            for tx, state in zip((inside, outside), states)
         ]
         (u_in, s_in), (u_out, s_out) = results
         np.testing.assert_allclose(u_in["w"].right, u_out["w"].right, rtol=1e-6)
