@@ -741,6 +741,76 @@ def target_rows(results: list[Estimate], models: list[str]) -> list[str]:
     return lines
 
 
+def breakdown(results: list[Estimate], models: list[str]) -> list[str]:
+    """Where each target model's bytes go, for the target arm and BF16 Adam, in
+    units of the bfloat16 weights."""
+    lines = []
+    for model in models:
+        if model not in ("1B", "7B"):
+            continue
+        for arm in ("adam", "projected-8bit"):
+            r = _find(results, model, arm)
+            w = r.weights
+            rest = r.total - r.weights - r.state - r.gradients - r.accumulator
+            rest -= r.activations
+            parts = [
+                ("weights", r.weights),
+                ("optimiser state", r.state),
+                ("one microbatch's gradients", r.gradients),
+                ("accumulator", r.accumulator),
+                ("activations", r.activations),
+                ("the rest", rest),
+            ]
+            text = ", ".join(f"{name} {_gib(v)} ({v / w:.2f})" for name, v in parts)
+            lines.append(
+                f"- {model} `{arm}`: total {_gib(r.total)} GiB ({r.total / w:.2f} "
+                f"weights) = {text}."
+            )
+    return lines
+
+
+def why(results: list[Estimate], models: list[str]) -> list[str]:
+    """Why the targets are missed, with this run's numbers."""
+    if "7B" not in models:
+        return []
+    r = _find(results, "7B", "projected-8bit")
+    adam = _find(results, "7B", "adam")
+    shapes = r.weights + r.state + r.gradients + r.accumulator + r.activations
+    single = r.weights + r.state + r.gradients + r.activations
+    return [
+        "- **Accumulation holds the gradient twice.** A microbatch's gradient and the "
+        "accumulator it is added to are both live, so the projected arms pay their "
+        f"gradient twice: at 7B {_gib(r.gradients)} GiB each. The sizes from shapes "
+        f"alone (weights, state, gradient, accumulator, activations) come to "
+        f"{_gib(shapes)} GiB, {shapes / adam.total:.3f}x of BF16 Adam's total (the "
+        "target is 0.45x) and above 24 GiB, before XLA adds a byte. Without "
+        f"accumulation the same parts are {_gib(single)} GiB.",
+        "- **The gradient is more than the factors.** The 0.41x floor counts 0.25 "
+        "weights of gradient factors; the gradient that `projected_cotangent` returns "
+        "also carries the projector (the `LowRank`'s other factor, a copy of the "
+        "state's: 0.14 weights at 7B) and the dense gradients of the embedding and "
+        f"the head (0.04): {r.gradients / r.weights:.2f} weights in all.",
+        f"- **The rest** ({_gib(r.total - shapes)} GiB at 7B) is the small factors of "
+        "the updates (written by the layer loop as uint16 bits), and float32 buffers "
+        "that XLA on CPU uses where a GPU keeps bfloat16: the backward scan writes "
+        "each layer's gradient factors into stacked float32 arrays (XLA's CPU "
+        "compiler computes bfloat16 slicing and dynamic-update-slice in float32), "
+        "and the embedding's and head's gradients come out of a float32 scatter and "
+        "matmul.",
+        "- **8-bit Adam on dense gradients saves nothing here** (`adam-8bit`): its "
+        "state is half of BF16 Adam's, but the update loop writes the dense updates "
+        "(one weight's worth) before they are applied, and that temporary eats the "
+        "saving. `galore` likewise holds dense gradients, an accumulator and dense "
+        "updates, so its total is BF16 Adam's.",
+        "- **CPU artifacts avoided by construction**: the optimiser runs on all layers "
+        "at once (`jax.vmap`) or, with 8-bit state, in a loop that writes only codes, "
+        "scales and uint16 bits in place, because XLA on CPU copies a whole stacked "
+        "bfloat16 array when a loop writes a slice of it; and `qto.apply_updates`'s "
+        "matmul path (above rank 64) is replaced by a multiply-reduce that XLA fuses "
+        "into the write of the weight (`_apply_leaf`).",
+    ]
+
+
 def fsdp_table(results: list[Estimate]) -> list[str]:
     lines = [
         "| model | arm | devices | total per device GiB | ÷ adam's | "
@@ -872,6 +942,15 @@ def report(
         "",
         *target_rows(results, models),
         "",
+        "Where the bytes go, in GiB (and in units of the bfloat16 weights), from "
+        "shapes; *the rest* is what XLA's total holds beyond them:",
+        "",
+        *breakdown(results, models),
+        "",
+        "## Why the targets are missed",
+        "",
+        *why(results, models),
+        "",
         "## Per model and arm (GiB)",
         "",
         *model_table(results, models),
@@ -914,6 +993,15 @@ def report(
             "trip counts of the loops around it.",
             "",
             *fsdp_table(results),
+            "",
+            "These are XLA's own choices of collectives for the given shardings "
+            "(no explicit all-gather of each layer's weights), so its SPMD "
+            "partitioner may partition a matmul instead of gathering its weight, "
+            "and on CPU it promotes bfloat16 collectives to float32. In the "
+            "projected-8bit step, the buffers created inside the step (the "
+            "accumulator of factors, the layer loop's update buffers) carry no "
+            "sharding annotation; at 1B that leaves it above BF16 Adam per device. "
+            "Not investigated further.",
             "",
         ]
     return "\n".join(lines)
