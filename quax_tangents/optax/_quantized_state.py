@@ -86,7 +86,7 @@ def log_quantize(
     x: Float[Array, "*shape"],
     block_size: int = 256,
     *,
-    noise: Float[Array, "*shape"] | None = None,
+    noise: Float[Array, "*blocked"] | None = None,
 ) -> LogQuantized:
     """Encodes `x` as a [`quax_tangents.optax.LogQuantized`][].
 
@@ -96,8 +96,8 @@ def log_quantize(
     - `block_size`: elements per block along the last axis (fewer when the last
         axis is shorter).
     - `noise`: `None` to round to the nearest level (in the logarithm), or uniform
-        numbers in `[0, 1)` of `x`'s shape (after blocking: see `_block_noise`) for
-        unbiased stochastic rounding.
+        numbers in `[0, 1)` of the blocked shape `(*x.shape[:-1], num_blocks,
+        block)` for unbiased stochastic rounding.
 
     **Returns:**
 
