@@ -125,3 +125,71 @@ def test_schedule_benchmark_quick(tmp_path):
     assert "bench_schedule.py --quick --out" in text
     rows = re.findall(r"^\| [^|]+ \| [248] \|.*\| (\S+) \|$", text, re.M)
     assert rows == ["ok"] * 15, rows
+
+
+def test_scale_benchmark_quick(tmp_path):
+    # Compiles (never runs) the 60M Llama's step with BF16 Adam and with projected
+    # gradients and 8-bit state; the figures are XLA's, so only their presence and
+    # the order of the two totals are checked.
+    text = _run_quick("bench_scale.py", tmp_path / "scale.md")
+    assert "bench_scale.py --quick --out" in text
+    assert "not a GPU's measured peak" in text
+    rows = re.findall(
+        r"^\| 60M \| \d+M \| ([a-z0-9-]+) \| .*? \| \*\*([0-9.]+)\*\* \|", text, re.M
+    )
+    totals = dict(rows)
+    assert set(totals) == {"adam", "projected-8bit"}, rows
+    assert float(totals["projected-8bit"]) < float(totals["adam"])
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+_LOOPED_HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]) parameter(0)
+  %y = f32[8]{0} get-tuple-element(%q), index=1
+  %ar = f32[8]{0} all-reduce(%y), replica_groups={}, to_apply=%add
+  ROOT %t2 = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag = f32[64]{0} all-gather(%x), dimensions={0}
+  %w2 = (s32[], f32[8]) while(%p), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %x)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %once = f32[8]{0} all-reduce(%a), replica_groups={}, to_apply=%add
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_received_bytes_count_each_loop_iteration():
+    import importlib.util
+
+    from quax_tangents._hlo import collectives_in_hlo
+
+    spec = importlib.util.spec_from_file_location(
+        "_hlo_loops", BENCHMARKS / "_hlo_loops.py"
+    )
+    loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loops)
+    times = loops.multiplicities(_LOOPED_HLO)
+    assert (times["main"], times["body"], times["inner"]) == (1, 24, 72)
+    found = collectives_in_hlo(_LOOPED_HLO)
+    n = 8
+    # One all-reduce of 32 bytes at the top, an all-gather of 32 bytes 24 times, an
+    # all-reduce of 32 bytes 72 times.
+    expected = 2 * (n - 1) / n * 32 + 24 * (n - 1) * 32 + 72 * 2 * (n - 1) / n * 32
+    assert loops.received_per_step(_LOOPED_HLO, found, n) == pytest.approx(expected)
