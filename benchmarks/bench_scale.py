@@ -77,7 +77,6 @@ from _llama import (
     count_params,
     init_params,
     loss,
-    matrix_shape,
 )
 from _report import add_out_argument, command, default_out, environment, produced_by
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -102,12 +101,6 @@ GIB = 2**30
 # layer), one for the embedding, the final norm and the head.
 
 
-def _projected_base() -> optax.GradientTransformation:
-    return optax.chain(
-        optax.scale_by_adam(), optax.scale_by_learning_rate(LEARNING_RATE)
-    )
-
-
 def transformations(config: LlamaConfig, arm: str):
     """`(per_layer, top)`: the transformation of one layer's block parameters and that
     of the embedding, the final norm and the head."""
@@ -124,17 +117,34 @@ def transformations(config: LlamaConfig, arm: str):
             scale=GALORE_SCALE,
         )
         return galore, adam
-    projected = qto.projected(
-        _projected_base(),
+    raise ValueError(
+        f"Unknown arm {arm!r} for the per-layer transformations; "
+        f"`projected_transformation` makes the projected arms."
+    )
+
+
+def _block_matrices(params: dict) -> dict:
+    """`project=`: the stacked block matrices, nothing else."""
+    return {
+        **{name: False for name in _top(params)},
+        "blocks": {name: name in MATRICES for name in params["blocks"]},
+    }
+
+
+def projected_transformation(config: LlamaConfig, arm: str):
+    """The projected arms' one transformation of the whole parameter tree, as a user
+    writes it: `qto.projected` on the stacked block matrices (each layer's slice
+    with its own projector), Adam on the other leaves, and for `projected-8bit`
+    `qto.quantized_state` around it."""
+    tx = qto.projected(
+        optax.scale_by_adam(),
         rank=config.rank,
+        learning_rate=LEARNING_RATE,
         refresh_every=REFRESH_EVERY,
         scale=GALORE_SCALE,
+        project=_block_matrices,
     )
-    if arm == "projected":
-        return projected, adam
-    if arm == "projected-8bit":
-        return qto.quantized_state(projected), qto.quantized_state(adam)
-    raise ValueError(f"Unknown arm {arm!r}; choose from {ARMS}.")
+    return qto.quantized_state(tx) if arm == "projected-8bit" else tx
 
 
 def _top(tree: dict) -> dict:
@@ -156,7 +166,9 @@ def _tables(tree: dict) -> dict:
 
 def init_state(config: LlamaConfig, arm: str, params: dict) -> dict:
     """Block states are the per-layer transformation's, initialised per layer and
-    stacked (`jax.vmap`)."""
+    stacked (`jax.vmap`); the projected arms' is their transformation's own."""
+    if arm.startswith("projected"):
+        return projected_transformation(config, arm).init(params)
     per_layer, top = transformations(config, arm)
     blocks = jax.vmap(per_layer.init)(params["blocks"])
     if arm.endswith("8bit"):
@@ -354,22 +366,6 @@ def apply_block_updates(params, updates):
 # Gradients, accumulated over the microbatches
 
 
-def _projected_state(state: Any) -> qto.ProjectedState:
-    (found,) = [
-        x
-        for x in jax.tree.leaves(
-            state, is_leaf=lambda x: isinstance(x, qto.ProjectedState)
-        )
-        if isinstance(x, qto.ProjectedState)
-    ]
-    return found
-
-
-def _projects_rows(config: LlamaConfig, name: str) -> bool:
-    m, n = matrix_shape(config, name)
-    return m <= n
-
-
 def dense_gradients(config: LlamaConfig, params: dict, tokens):
     """Mean loss and gradients over the microbatches `tokens[i]`, accumulated in the
     parameters' dtype."""
@@ -387,81 +383,17 @@ def dense_gradients(config: LlamaConfig, params: dict, tokens):
     return total / count, jax.tree.map(lambda g: (g / count).astype(g.dtype), acc)
 
 
-def projected_gradients(config: LlamaConfig, params: dict, block_state, tokens):
-    """As `dense_gradients`, with the block matrices marked: their gradients are
-    projected inside the backward pass, and only the small factors are accumulated.
-
-    The first microbatch uses the state's projectors and refresh flags (so on a
-    refresh step the projectors come fresh from its gradient); the others reuse the
-    projectors that it returned, so that every microbatch's factor is in the same
-    basis and the factors add up.
-    """
-    projected = _projected_state(block_state)
-    value_and_grad = qt.value_and_grad(functools.partial(loss, config))
-
-    def split(name, grad):
-        if _projects_rows(config, name):
-            return grad.left, grad.right
-        return grad.right, grad.left
-
-    def body(carry, batch_and_index):
-        batch, index = batch_and_index
-        total, projectors, acc = carry
-        refresh = projected.refresh & (index == 0)
-        marks = {name: (projectors[name], refresh) for name in MATRICES}
-        value, grads = value_and_grad(params, batch, marks)
-        new_projectors, factors = {}, {}
-        for name in MATRICES:
-            new_projectors[name], factors[name] = split(name, grads["blocks"][name])
-        dense = {
-            **grads,
-            "blocks": {k: v for k, v in grads["blocks"].items() if k not in MATRICES},
-        }
-        acc = jax.tree.map(jnp.add, acc, {"factors": factors, "dense": dense})
-        return (total + value, new_projectors, acc), None
-
-    zero_dense = jax.tree.map(
-        jnp.zeros_like,
-        {
-            **params,
-            "blocks": {k: v for k, v in params["blocks"].items() if k not in MATRICES},
-        },
-    )
-    zero_factors = {
-        name: jnp.zeros(
-            (config.layers, max(matrix_shape(config, name)), config.rank),
-            params["blocks"][name].dtype,
-        )
-        for name in MATRICES
-    }
-    projectors = {name: projected.projector[name] for name in MATRICES}
-    count = tokens.shape[0]
-    carry = (jnp.zeros([]), projectors, {"factors": zero_factors, "dense": zero_dense})
-    (total, projectors, acc), _ = jax.lax.scan(body, carry, (tokens, jnp.arange(count)))
-    mean = jax.tree.map(lambda g: (g / count).astype(g.dtype), acc)
-    grads = mean["dense"]
-    for name in MATRICES:
-        p, factor = projectors[name], mean["factors"][name]
-        grads["blocks"][name] = (
-            qt.LowRank(p, factor)
-            if _projects_rows(config, name)
-            else qt.LowRank(factor, p)
-        )
-    return total / count, grads
-
-
 # ---------------------------------------------------------------------------------------
 # The step
 
 
 def make_step(config: LlamaConfig, arm: str):
+    if arm.startswith("projected"):
+        return make_projected_step(config, arm)
     per_layer, top_tx = transformations(config, arm)
 
     def step(params, state, tokens):
-        if arm.startswith("projected"):
-            value, grads = projected_gradients(config, params, state["blocks"], tokens)
-        else:
-            value, grads = dense_gradients(config, params, tokens)
+        value, grads = dense_gradients(config, params, tokens)
         updates, block_state = update_blocks(
             arm, per_layer, grads["blocks"], state["blocks"], params["blocks"]
         )
@@ -469,6 +401,22 @@ def make_step(config: LlamaConfig, arm: str):
         top, top_state = update_top(arm, top_tx, grads, state["top"], params)
         new_params = {**top, "blocks": blocks}
         return new_params, {"blocks": block_state, "top": top_state}, value
+
+    return step
+
+
+def make_projected_step(config: LlamaConfig, arm: str):
+    """The library's own path: `qto.accumulate_gradients` marks the stacked block
+    matrices (`qto.mark`, before the model's scan over layers) and averages the
+    microbatches' small factors; `qto.projected` updates the stacked leaves;
+    `qto.apply_updates` adds the `LowRank` updates into the donated weights."""
+    tx = projected_transformation(config, arm)
+    loss_fn = functools.partial(loss, config)
+
+    def step(params, state, tokens):
+        value, grads = qto.accumulate_gradients(loss_fn, params, state, tokens)
+        updates, state = tx.update(grads, state, params)
+        return qto.apply_updates(params, updates), state, value
 
     return step
 
@@ -536,7 +484,9 @@ def _gradient_bytes(config, arm, params, state, tokens) -> int:
     def grads(params, state, tokens):
         one = tokens[:1]
         if arm.startswith("projected"):
-            return projected_gradients(config, params, state["blocks"], one)[1]
+            return qto.accumulate_gradients(
+                functools.partial(loss, config), params, state, one
+            )[1]
         return dense_gradients(config, params, one)[1]
 
     with qt.fallback("silent"):
