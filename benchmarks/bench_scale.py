@@ -426,9 +426,17 @@ def make_projected_step(config: LlamaConfig, arm: str):
 
 
 def _bytes(tree: Any) -> int:
-    return sum(
-        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    # A `LowRank` counts its two factors (its guard leaf holds no bytes).
+    leaves = jax.tree.leaves(
+        tree,
+        is_leaf=lambda x: isinstance(x, qt.LowRank),
     )
+    arrays = [
+        a
+        for x in leaves
+        for a in ((x.left, x.right) if isinstance(x, qt.LowRank) else (x,))
+    ]
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,6 +600,41 @@ def estimate(
         devices,
         received,
     )
+
+
+def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
+    """A projected arm's step in three compiled pieces, each its `temp` bytes (the
+    buffers XLA adds beyond inputs and outputs): `gradients` (`qto.accumulate_gradients`
+    over the microbatches), `update` (the transformation's `update`, its state
+    donated) and `update_apply` (`update` then `qto.apply_updates`, state and
+    parameters donated). It attributes the step's total to its parts."""
+    params, state, tokens = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
+    tx = projected_transformation(config, arm)
+    loss_fn = functools.partial(loss, config)
+
+    def gradients(params, state, tokens):
+        return qto.accumulate_gradients(loss_fn, params, state, tokens)
+
+    def update(grads, state, params):
+        return tx.update(grads, state, params)
+
+    def update_apply(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return qto.apply_updates(params, updates), state
+
+    grads = jax.eval_shape(gradients, params, state, tokens)[1]
+    pieces = {
+        "gradients": (gradients, (params, state, tokens), ()),
+        "update": (update, (grads, state, params), (1,)),
+        "update_apply": (update_apply, (grads, state, params), (1, 2)),
+    }
+    found = {}
+    with qt.fallback("silent"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers")
+        for name, (fn, args, donate) in pieces.items():
+            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            found[name] = compiled.memory_analysis().temp_size_in_bytes
+    return found
 
 
 def _estimate_in_fresh_process(model: str, arm: str, hoist: bool) -> Estimate:
@@ -979,6 +1022,13 @@ def parse_args(argv):
         "--one", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS
     )
     parser.add_argument(
+        "--parts",
+        nargs=2,
+        metavar=("MODEL", "ARM"),
+        help="a projected arm's step in pieces (gradients, update, update and apply): "
+        "the temp bytes of each, as JSON",
+    )
+    parser.add_argument(
         "--part",
         choices=("single", "fsdp"),
         help="run only the single-device part (with the hoisting comparison) or the "
@@ -993,6 +1043,10 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.parts:
+        model, arm = args.parts
+        print(json.dumps(estimate_parts(MODELS[model], arm)))
+        return
     if args.one:
         model, arm = args.one
         print(json.dumps(dataclasses.asdict(estimate(MODELS[model], arm))))
