@@ -761,13 +761,19 @@ def _parts_line(model: str, r: Estimate, parts: dict) -> str:
         f"- **{model}, attributed** (`python benchmarks/bench_scale.py --parts "
         f"{model} {r.arm}`: the temp bytes of the step's pieces compiled alone): "
         f"`qto.accumulate_gradients` {p['gradients']:.2f} GiB (one microbatch's "
-        f"gradient and the accumulator are {2 * r.gradients / GIB:.2f} of it); the "
+        f"gradient and the accumulator are {2 * r.gradients / GIB:.2f} of it; the "
+        "rest, not attributed further, is in the `lax.cond` between the steady pass "
+        "and the refresh passes, whose sketches, QR and SVD of every layer are "
+        "float32); the "
         f"transformation's `update` {p['update']:.2f} GiB, where its 8-bit state "
         f"is {r.state / GIB:.2f} GiB: `qto.quantized_state` decodes every leaf "
         f"whole, all layers' moments and the embedding's and head's at once, to "
         f"float32 (about {decoded:.2f} GiB), and the updated moments are as large "
         f"again before they are encoded; `update` then `qto.apply_updates` "
-        f"{p['update_apply']:.2f} GiB."
+        f"{p['update_apply']:.2f} GiB ({p['update_apply'] - p['update']:.2f} more: "
+        "`qto.apply_updates` compiled alone on a stacked bfloat16 leaf holds no "
+        "temporary at any rank, `tests/optax/test_apply.py`; what XLA adds when the "
+        "two are compiled together is not attributed further)."
     )
 
 
@@ -1039,7 +1045,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 60M model only")
     parser.add_argument(
-        "--one", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS
+        "--one",
+        nargs=2,
+        metavar=("MODEL", "ARM"),
+        help="compile one model and arm and print its Estimate as JSON",
     )
     parser.add_argument(
         "--parts",
