@@ -42,6 +42,13 @@ _ITEMSIZE = {
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_WHILE_PARTS = re.compile(r"\b(body|condition)=%?([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLEE = re.compile(
+    r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|calls)=\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +61,21 @@ class Collective:
     - `operand_bytes`: the bytes of its operands on one device: what that device puts
         on the wire (an all-gather receives this from every other device; a ring
         all-reduce sends and receives about twice it).
+    - `count`: how many times it runs per call of the program: the product of the
+        trip counts of the `while` loops (`lax.scan`, `fori_loop`) around it, `1`
+        outside loops. `None` when a loop around it has no trip count that XLA
+        knows (a `while_loop` with a data-dependent condition, or a program read
+        before XLA's passes, which is when XLA works trip counts out):
+        [`quax_tangents.received_bytes`][] then refuses to give a per-step figure
+        rather than guess one. A branch of a `cond` counts as running every time its
+        `cond` does (an upper bound).
     """
 
     kind: str
     name: str
     operand_shapes: tuple[str, ...]
     operand_bytes: int
+    count: int | None = 1
 
 
 def shape_bytes(shape: str) -> int:
@@ -104,15 +120,21 @@ def collectives_in_hlo(hlo: str) -> list[Collective]:
     """Every collective instruction of an HLO module's text (`compiled.as_text()`),
     in order, with its operands' shapes looked up from their definitions.
 
-    An instruction inside a loop body is listed once, not once per iteration.
+    An instruction inside a loop body is listed once, with the number of times it
+    runs per call of the module as its `count` (see [`quax_tangents.Collective`][]).
     """
     shapes: dict[str, str] = {}
-    calls: list[tuple[str, str, str]] = []
+    calls: list[tuple[str, str, str, str | None]] = []
+    computation = None
     for line in hlo.splitlines():
         # Long operand lists carry comments such as `/*index=5*/`.
         line = _COMMENT.sub("", line)
+        header = _computation_header(line)
+        if header is not None:
+            computation = header[1]
+            continue
         match = _INSTRUCTION.match(line)
-        if match is None or line.lstrip().startswith(("HloModule", "ENTRY")):
+        if match is None or line.lstrip().startswith("HloModule"):
             continue
         name, rhs = match.groups()
         shape, call = _split_shape(rhs.strip())
@@ -120,14 +142,85 @@ def collectives_in_hlo(hlo: str) -> list[Collective]:
         opcode = call.split("(", 1)[0].strip()
         kind = opcode.removesuffix("-start")
         if kind in _COLLECTIVES and "(" in call:
-            calls.append((kind, name, call))
+            calls.append((kind, name, call, computation))
+    counts = computation_counts(hlo)
     found = []
-    for kind, name, call in calls:
+    for kind, name, call, where in calls:
         operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
+        count = counts.get(where, 1) if where is not None else 1
         found.append(
-            Collective(kind, name, operands, sum(shape_bytes(s) for s in operands))
+            Collective(
+                kind, name, operands, sum(shape_bytes(s) for s in operands), count
+            )
         )
     return found
+
+
+def _computation_header(line: str) -> tuple[bool, str] | None:
+    """`(is_entry, name)` if `line` opens a computation, such as
+    `%body.3 (p: (s32[], f32[8])) -> (s32[], f32[8]) {` or `ENTRY %main {`."""
+    if "=" in line.split("(", 1)[0]:
+        return None  # An instruction, `%x = ...`.
+    match = _COMPUTATION.match(line)
+    if match is None:
+        return None
+    return bool(match.group(1)), match.group(2)
+
+
+def _callees(line: str) -> list[tuple[str, int | None]]:
+    """The computations an instruction line calls, each with how many times it runs
+    per run of the instruction (`None`: a loop whose trip count XLA does not know)."""
+    match = _INSTRUCTION.match(line)
+    call = _split_shape(match.group(2).strip())[1] if match else ""
+    if call.startswith("while("):
+        trip = _TRIP_COUNT.search(line)
+        trips = int(trip.group(1)) if trip else None
+        return [(name, trips) for _, name in _WHILE_PARTS.findall(line)]
+    found = [(name, 1) for name in _CALLEE.findall(line)]
+    for names in _CALLEE_LIST.findall(line):
+        found += [(n.strip().lstrip("%"), 1) for n in names.split(",") if n.strip()]
+    return found
+
+
+def computation_counts(hlo: str) -> dict[str, int | None]:
+    """How many times each computation of an HLO module runs per call of its entry
+    computation: the sum over its call sites of the caller's count times the trip
+    count of the loop that calls it (`1` for other calls). `None` where a loop on
+    the way has no known trip count. Empty if the text has no `ENTRY` computation."""
+    edges: dict[str, list[tuple[str, int | None]]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        line = _COMMENT.sub("", line)
+        header = _computation_header(line)
+        if header is not None:
+            is_entry, current = header
+            edges[current] = []
+            entry = current if is_entry else entry
+        elif current is not None and _INSTRUCTION.match(line):
+            edges[current] += _callees(line)
+    if entry is None:
+        return {}
+    order: list[str] = []  # Callers before callees: reversed depth-first post-order.
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        seen.add(name)
+        for callee, _ in edges.get(name, []):
+            if callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    counts: dict[str, int | None] = {name: 0 for name in order}
+    counts[entry] = 1
+    for name in reversed(order):
+        for callee, times in edges.get(name, []):
+            caller, before = counts[name], counts[callee]
+            if caller is None or times is None or before is None:
+                counts[callee] = None
+            else:
+                counts[callee] = before + caller * times
+    return counts
 
 
 def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Collective]:
@@ -135,8 +228,10 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     bytes of their operands, read from the compiled HLO (after XLA's passes, so
     combined, promoted or removed collectives show as they run).
 
-    An instruction inside a loop (a `lax.scan` body) is listed once, not once per
-    iteration: the list of a scan over training steps is that of one step.
+    An instruction inside a loop (a `lax.scan` body) is listed once, with how many
+    times it runs per call as its `count`: the product of the trip counts of the
+    loops around it (`None` if one of them is unknown, as it is in a `Lowered`
+    program, read before XLA works trip counts out).
 
     **Arguments:**
 
@@ -173,9 +268,10 @@ def _text(x: Any) -> Any:
     return x
 
 
-def received_bytes(collective: Collective, devices: int) -> float:
+def received_bytes(collective: Collective, devices: int, *, per: str = "call") -> float:
     """The bytes one device receives for `collective` on `devices` devices, under the
-    usual algorithms (what grows with the device count, unlike `operand_bytes`).
+    usual algorithms (what grows with the device count, unlike `operand_bytes`), per
+    call of the program: a collective inside loops counts once per iteration.
 
     With `b` the collective's operand bytes on one device:
 
@@ -190,14 +286,33 @@ def received_bytes(collective: Collective, devices: int) -> float:
 
     - `collective`: one entry of [`quax_tangents.collectives`][].
     - `devices`: the number of devices `n` that take part in it.
+    - `per`: `"call"` (the default): per call of the program, `count` times the
+        bytes of one run. `"run"`: one run of the instruction, however many times a
+        loop runs it.
 
     **Returns:**
 
     The bytes, a float (`0.0` on one device).
+
+    **Raises:**
+
+    `ValueError` for `per="call"` when a loop around the collective has no known trip
+    count (`collective.count is None`): pass `per="run"` and multiply by the trip
+    count you know, or read the compiled program, whose loops XLA has counted.
     """
     n, b = devices, collective.operand_bytes
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"`devices` must be a positive int, got {devices!r}.")
+    if per not in ("call", "run"):
+        raise ValueError(f'`per` must be "call" or "run", got {per!r}.')
+    count = 1 if per == "run" else collective.count
+    if count is None:
+        raise ValueError(
+            f"The {collective.kind} {collective.name!r} runs inside a loop whose trip "
+            "count XLA does not know, so its bytes per call are unknown. Pass "
+            "`per='run'` for the bytes of one run and multiply by the trip count, or "
+            "read a compiled program (`jax.jit(f).lower(...).compile()`)."
+        )
     factors = {
         "all-gather": n - 1,
         "all-to-all": (n - 1) / n,
@@ -207,4 +322,4 @@ def received_bytes(collective: Collective, devices: int) -> float:
     }
     if n == 1:
         return 0.0
-    return factors.get(collective.kind, 1) * b
+    return factors.get(collective.kind, 1) * b * count

@@ -620,6 +620,91 @@ def test_collectives_in_hlo_reads_kinds_and_operand_bytes():
     ]
 
 
+_LOOPED_HLO = """\
+HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]) parameter(0)
+  %y = f32[8]{0} get-tuple-element(%q), index=1
+  %ar = f32[8]{0} all-reduce(%y), replica_groups={}, to_apply=%add
+  ROOT %t2 = (s32[], f32[8]) tuple(%i, %ar)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag = f32[64]{0} all-gather(%x), dimensions={0}
+  %w2 = (s32[], f32[8]) while(%p), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %x)
+}
+
+%unknown (u: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %u = (s32[], f32[8]) parameter(0)
+  %z = f32[8]{0} get-tuple-element(%u), index=1
+  %cp = f32[8]{0} collective-permute(%z), source_target_pairs={{0,1}}
+  ROOT %t3 = (s32[], f32[8]) tuple(%i, %cp)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %once = f32[8]{0} all-reduce(%a), replica_groups={}, to_apply=%add
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+  %again = (s32[], f32[8]) while(%t0), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"2"}}
+  %w3 = (s32[], f32[8]) while(%t0), condition=%cond, body=%unknown
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collectives_in_loops_count_once_per_iteration():
+    found = {c.name: c for c in collectives_in_hlo(_LOOPED_HLO)}
+    # `inner` runs 3 times per iteration of `body` (24 of them) and twice more from
+    # the entry; `unknown`'s loop has no known trip count.
+    assert {name: c.count for name, c in found.items()} == {
+        "ar": 24 * 3 + 2,
+        "ag": 24,
+        "once": 1,
+        "cp": None,
+    }
+    n = 8
+    assert qt.received_bytes(found["once"], n) == 2 * (n - 1) / n * 32
+    assert qt.received_bytes(found["ag"], n) == 24 * (n - 1) * 32
+    assert qt.received_bytes(found["ar"], n) == pytest.approx(74 * 2 * (n - 1) / n * 32)
+    assert qt.received_bytes(found["ar"], n, per="run") == 2 * (n - 1) / n * 32
+    with pytest.raises(ValueError, match="trip count"):
+        qt.received_bytes(found["cp"], n)
+    assert qt.received_bytes(found["cp"], n, per="run") == 32
+
+
+@needs_devices
+def test_compiled_scan_counts_its_psum_per_iteration():
+    length, width = 5, 16
+
+    def body(xs):
+        def step(carry, _):
+            return carry + lax.psum(carry, AXIS), None
+
+        return lax.scan(step, xs, None, length=length)[0]
+
+    step = on_mesh(body, P(AXIS), P(AXIS))
+    xs = split(np.ones((DEVICES, width), np.float32))
+    compiled = [c for c in qt.collectives(step, xs) if c.kind == "all-reduce"]
+    assert [(c.operand_bytes, c.count) for c in compiled] == [(4 * width, length)]
+    per_call = sum(qt.received_bytes(c, DEVICES) for c in compiled)
+    assert per_call == pytest.approx(length * 2 * (DEVICES - 1) / DEVICES * 4 * width)
+    # Read before XLA's passes, the loop's trip count is not known yet.
+    lowered = qt.collectives(step.lower(xs))
+    assert [c.count for c in lowered if c.kind == "all-reduce"] == [None]
+    with pytest.raises(ValueError, match="trip count"):
+        qt.received_bytes(lowered[0], DEVICES)
+
+
 # ---------------------------------------------------------------------------------
 # The example
 

@@ -49,20 +49,30 @@ from ._projected import (
     projected as projected,
     projectors as projectors,
 )
+from ._quantized_state import (
+    LogQuantized as LogQuantized,
+    QuantizedState as QuantizedState,
+    log_quantize as log_quantize,
+    quantized_state as quantized_state,
+)
 from ._specs import partition_specs as partition_specs
 
 
 __all__ = [
     "CompressState",
+    "LogQuantized",
     "PowerSGDState",
     "ProjectedState",
+    "QuantizedState",
     "accumulate_gradients",
     "apply_updates",
     "compress",
     "lift",
+    "log_quantize",
     "mark",
     "partition_specs",
     "powersgd",
     "projected",
     "projectors",
+    "quantized_state",
 ]

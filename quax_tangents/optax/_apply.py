@@ -35,23 +35,18 @@ def reject_compressed(tree: PyTree, where: str, fix: str) -> None:
 # apply_updates
 
 
-# Up to this rank the product is a broadcast multiply-reduce that XLA fuses with the
-# addition into one loop over the parameter: no (m, n) buffer but the result. Above
-# it, a matrix multiplication is faster than the loop.
-_FUSED_MAX_RANK = 64
-
-
 def _apply_low_rank(param: Array, update: LowRank) -> Array:
-    left, right = update.left.astype(param.dtype), update.right.astype(param.dtype)
-    if update.rank <= _FUSED_MAX_RANK:
-        terms = left[..., :, None, :] * right[..., None, :, :]
-        product = jnp.sum(terms, axis=-1)
-    else:
-        batch = tuple(range(left.ndim - 2))
-        contract = ((left.ndim - 1,), (right.ndim - 1,))
-        product = jax.lax.dot_general(left, right, (contract, (batch, batch)))
+    # `param + left @ right.T` written as a broadcast multiply-reduce over the rank,
+    # at every rank: XLA fuses it with the addition into one loop over the parameter
+    # (with the parameter donated, into its own buffer), where a matrix product
+    # would hold a weight-sized result first (a stack of them for a stacked leaf).
+    # The sum is taken in float32: a bfloat16 sum over hundreds of terms would round
+    # at each one.
+    dtype = jnp.promote_types(param.dtype, jnp.float32)
+    left, right = update.left.astype(dtype), update.right.astype(dtype)
+    product = jnp.sum(left[..., :, None, :] * right[..., None, :, :], axis=-1)
     # A matrix view of the parameter (`projected(dims=...)`): a reshape, in order.
-    return param + product.reshape(jnp.shape(param))
+    return (param + product.reshape(jnp.shape(param))).astype(param.dtype)
 
 
 def _apply_rows(param: Array, update: SparseRows) -> Array:
@@ -109,10 +104,11 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
     A `LowRank` update is added as `param + left @ right.T` in one pass over the
     parameter (reshaped to the parameter's shape when it is a matrix view of it, as
-    `projected(dims=...)` returns it): up to rank 64 the product is written as a multiply-reduce over the
-    rank that XLA fuses with the addition, so the compiled function holds no
-    `(m, n)` buffer besides the result (with the parameter donated, none at all);
-    above rank 64 it is a matrix multiplication followed by the addition. A
+    `projected(dims=...)` returns it): at any rank, and for stacked leaves
+    `(*batch, m, n)` too, the product is written as a multiply-reduce over the rank
+    in float32 that XLA fuses with the addition, so the compiled function holds no
+    weight-sized buffer besides the result (with the parameter donated, none at
+    all). It costs `m n r` multiply-adds outside a matrix unit, once per step. A
     `SparseRows` update is a scatter-add into the stored rows. Dense updates are
     added as `optax.apply_updates` adds them. Every result is cast to its
     parameter's dtype. Other compressed types are materialised, counted as a

@@ -48,15 +48,20 @@ def test_apply_updates_casts_to_the_parameter_dtype():
     assert out["w"].dtype == jnp.bfloat16
 
 
-def test_low_rank_update_adds_no_weight_sized_buffer():
-    # The product is fused into the addition: no (m, n) temporary, with or without
-    # the parameter donated. The matmul path (rank > 64) keeps one when donated.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_low_rank_update_adds_no_weight_sized_buffer(batch, dtype):
+    # The product is fused into the addition at every rank (a matrix product would
+    # hold an (m, n) result per slice): no weight-sized temporary, with or without
+    # the parameter donated, for a matrix or a stack of them.
     m, n = 64, 128
-    w = jax.ShapeDtypeStruct((m, n), jnp.float32)
+    w = jax.ShapeDtypeStruct((*batch, m, n), dtype)
 
     def temp_bytes(rank, donate):
         update = jax.eval_shape(
-            lambda: qt.LowRank(jnp.zeros((m, rank)), jnp.zeros((n, rank)))
+            lambda: qt.LowRank(
+                jnp.zeros((*batch, m, rank), dtype), jnp.zeros((*batch, n, rank), dtype)
+            )
         )
         compiled = (
             jax.jit(qto.apply_updates, donate_argnums=(0,) if donate else ())
@@ -65,9 +70,26 @@ def test_low_rank_update_adds_no_weight_sized_buffer():
         )
         return compiled.memory_analysis().temp_size_in_bytes
 
-    assert temp_bytes(8, donate=False) == 0
-    assert temp_bytes(8, donate=True) == 0
-    assert temp_bytes(70, donate=True) >= m * n * 4
+    weight = int(np.prod(batch)) * m * n * jnp.dtype(dtype).itemsize
+    for rank in (8, 70, 200):
+        for donate in (False, True):
+            assert temp_bytes(rank, donate) < weight, (rank, donate)
+
+
+def test_high_rank_stacked_update_equals_dense():
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((2, 20, 30)), jnp.bfloat16)
+    left = jnp.asarray(rng.standard_normal((2, 20, 100)), jnp.bfloat16)
+    right = jnp.asarray(rng.standard_normal((2, 30, 100)), jnp.bfloat16)
+    out = jax.jit(qto.apply_updates)(w, qt.LowRank(left, right))
+    dense = w.astype(jnp.float32) + jnp.einsum(
+        "bmr,bnr->bmn", left.astype(jnp.float32), right.astype(jnp.float32)
+    )
+    assert out.dtype == jnp.bfloat16
+    # Summed in float32, then rounded once to bfloat16.
+    assert_close(
+        out.astype(jnp.float32), dense.astype(jnp.bfloat16).astype(jnp.float32)
+    )
 
 
 def test_apply_updates_shape_mismatch_raises():

@@ -1,0 +1,337 @@
+"""Optimiser state stored as 8-bit codes: `quantized_state` wraps any optax
+transformation so that its large floating state leaves (Adam's moments) take about a
+byte per element.
+
+The code is logarithmic, not linear. Adam's second moment spans many orders of
+magnitude within one block (the squares of gradients that differ by 1e4 differ by
+1e8): a linear 8-bit code with the block's largest entry at 127 or 255 rounds every
+entry below about 1/500 of it to zero, and the update `m / (sqrt(v) + eps)` of such
+an entry becomes `m / eps`, a huge step. A logarithmic code spends its levels evenly
+over octaves, so every entry keeps the same relative precision down to a floor far
+below the block's largest:
+
+- a block whose entries are all non-negative (a second moment) gets 255 levels over
+  32 octaves below the block's largest magnitude, `a * 2**(-32 (255 - k) / 254)` for
+  code `k = 1..255` and zero for `k = 0`: entries down to 2.3e-10 of the largest are
+  kept, each within 4.5% (a factor `2**(32 / 508)`) when rounded to nearest;
+- a block with negative entries (a first moment) gets a sign and 127 levels over 16
+  octaves (down to 1.5e-5 of the largest), at the same relative precision. The first
+  moment lives on the square-root scale of the second, so half the octaves cover it.
+
+The kind of code is chosen per block and stored in the sign of the block's float32
+scale. Blocks run along the last axis of a leaf (at most `block_size` elements each,
+the last one padded), so a leaf sharded along any other axis keeps its blocks local.
+
+Rounding is stochastic by default: up or down to the neighbouring levels with the
+probabilities that make the decoded value unbiased. Adam changes its second moment
+by 0.1% a step (`b2 = 0.999`), far less than the gap between two levels; rounded to
+nearest, such a change would be undone at every step and the moment would freeze.
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PyTree, UInt8
+
+from ._common import check_int
+from ._projected import ProjectedState
+
+
+# Octaves below a block's largest magnitude that each kind of code covers, and its
+# non-zero levels.
+_UNSIGNED_OCTAVES, _UNSIGNED_LEVELS = 32.0, 255
+_SIGNED_OCTAVES, _SIGNED_LEVELS = 16.0, 127
+_SIGNED_ZERO = 128  # the byte of a signed zero; codes 1..255 are -127..127
+
+
+class LogQuantized(eqx.Module):
+    """One optimiser-state array stored as 8-bit logarithmic codes with a float32
+    scale per block (see [`quax_tangents.optax.quantized_state`][]).
+
+    The last axis of the array is split into `num_blocks` blocks of `block_size`
+    elements (the last block zero-padded). A block whose scale `s` is positive holds
+    non-negative values `s * 2**(-32 (255 - k) / 254)` for the byte `k >= 1` (zero for
+    `k = 0`); one whose scale is negative holds signed values
+    `sign(c) |s| 2**(-16 (127 - |c|) / 126)` for `c = k - 128` (zero for `c = 0`).
+
+    **Fields:**
+
+    - `codes`: uint8 `(*shape[:-1], num_blocks, block_size)`.
+    - `scales`: float32 `(*shape[:-1], num_blocks)`.
+    - `value_shape`, `value_dtype`: the shape and dtype of the array (static).
+    """
+
+    codes: UInt8[Array, "*lead blocks block"]
+    scales: Float[Array, "*lead blocks"]
+    value_shape: tuple[int, ...] = eqx.field(static=True)
+    value_dtype: Any = eqx.field(static=True)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the codes and the scales."""
+        return int(self.codes.size + 4 * self.scales.size)
+
+    def decode(self) -> Array:
+        """The array the codes stand for, in `value_dtype`."""
+        return _decode(self.codes, self.scales, self.value_shape, self.value_dtype)
+
+
+def log_quantize(
+    x: Float[Array, "*shape"],
+    block_size: int = 256,
+    *,
+    noise: Float[Array, "*blocked"] | None = None,
+) -> LogQuantized:
+    """Encodes `x` as a [`quax_tangents.optax.LogQuantized`][].
+
+    **Arguments:**
+
+    - `x`: a floating array with at least one dimension.
+    - `block_size`: elements per block along the last axis (fewer when the last
+        axis is shorter).
+    - `noise`: `None` to round to the nearest level (in the logarithm), or uniform
+        numbers in `[0, 1)` of the blocked shape `(*x.shape[:-1], num_blocks,
+        block)` for unbiased stochastic rounding.
+
+    **Returns:**
+
+    The codes and scales.
+    """
+    block = min(block_size, x.shape[-1])
+    blocks = _blocks(x, block)
+    codes, scales = _encode(blocks, noise)
+    return LogQuantized(codes, scales, tuple(x.shape), jnp.dtype(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# The codes
+
+
+def _blocks(x: Array, block: int) -> Array:
+    """`x` as float32 `(*lead, num_blocks, block)`, its last axis zero-padded."""
+    last = x.shape[-1]
+    count = -(-last // block)
+    x = x.astype(jnp.float32)
+    if count * block != last:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count * block - last)])
+    return x.reshape(*x.shape[:-1], count, block)
+
+
+def _level(u: Array, octaves: float, levels: int, noise: Array | None) -> Array:
+    """The level `1..levels` of magnitudes `u` in `(0, 1]` relative to the block's
+    largest, or 0 where `u` rounds to zero. Level `j` stands for
+    `2**(-octaves (levels - j) / (levels - 1))`."""
+    step = octaves / (levels - 1)
+    position = levels + jnp.log2(jnp.maximum(u, 1e-38)) / step
+    if noise is None:
+        level = jnp.round(position)
+        smallest = 2.0**-octaves
+        level = jnp.where(u < smallest / 2, 0.0, level)
+        return jnp.clip(level, 0, levels)
+    # Between the levels below and above, up with the probability that keeps the
+    # decoded value unbiased; below the smallest level, between it and zero.
+    below = jnp.clip(jnp.floor(position), 0, levels)
+    low = jnp.where(below < 1, 0.0, _magnitude(below, octaves, levels))
+    high = _magnitude(jnp.maximum(below + 1, 1), octaves, levels)
+    up = noise < (u - low) / (high - low)
+    return jnp.clip(jnp.where(up, jnp.maximum(below + 1, 1), below), 0, levels)
+
+
+def _magnitude(level: Array, octaves: float, levels: int) -> Array:
+    step = octaves / (levels - 1)
+    return jnp.where(level < 1, 0.0, jnp.exp2(-step * (levels - level)))
+
+
+# Jitted so that eager use compiles one kernel per shape instead of one per op.
+@jax.jit
+def _encode(blocks: Array, noise: Array | None) -> tuple[Array, Array]:
+    largest = jnp.max(jnp.abs(blocks), axis=-1)
+    signed = jnp.any(blocks < 0, axis=-1)
+    u = jnp.abs(blocks) / jnp.where(largest > 0, largest, 1.0)[..., None]
+    unsigned_code = _level(u, _UNSIGNED_OCTAVES, _UNSIGNED_LEVELS, noise)
+    signed_level = _level(u, _SIGNED_OCTAVES, _SIGNED_LEVELS, noise)
+    signed_code = _SIGNED_ZERO + jnp.where(blocks < 0, -signed_level, signed_level)
+    codes = jnp.where(signed[..., None], signed_code, unsigned_code)
+    scales = jnp.where(signed, -largest, largest)
+    return codes.astype(jnp.uint8), scales
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _decode(codes: Array, scales: Array, shape: tuple[int, ...], dtype: Any) -> Array:
+    k = codes.astype(jnp.float32)
+    unsigned = _magnitude(k, _UNSIGNED_OCTAVES, _UNSIGNED_LEVELS)
+    c = k - _SIGNED_ZERO
+    signed = jnp.sign(c) * _magnitude(jnp.abs(c), _SIGNED_OCTAVES, _SIGNED_LEVELS)
+    values = (
+        jnp.where(scales[..., None] < 0, signed, unsigned) * jnp.abs(scales)[..., None]
+    )
+    values = values.reshape(*values.shape[:-2], -1)[..., : shape[-1]]
+    return values.astype(dtype)
+
+
+def _block_noise(shape: tuple[int, ...], seed: Array) -> Array:
+    """Uniform numbers in `[0, 1)` of the blocked shape, from an integer hash of each
+    element's position and `seed`: elementwise arithmetic that XLA fuses into the
+    encoding, where `jax.random` would write a state-sized array of bits first."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
+            stride % 2**32
+        )
+        stride *= shape[axis]
+    h = index ^ (seed.astype(jnp.uint32) * np.uint32(0x9E3779B9))
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * np.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * (1.0 / 2**24)
+
+
+# ---------------------------------------------------------------------------------------
+# The transformation
+
+
+class QuantizedState(NamedTuple):
+    """The state of [`quax_tangents.optax.quantized_state`][].
+
+    **Fields:**
+
+    - `count`: updates taken (int32), which seeds the stochastic rounding.
+    - `inner`: the wrapped transformation's state, with each leaf that is stored as
+        codes replaced by a [`quax_tangents.optax.LogQuantized`][].
+    """
+
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
+    inner: Any
+
+
+def _is_stored_as_codes(leaf: Any, block_size: int) -> bool:
+    return (
+        isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+        and jnp.issubdtype(leaf.dtype, jnp.floating)
+        and leaf.ndim >= 1
+        and leaf.size >= block_size
+    )
+
+
+def _map_state(fn: Any, state: Any) -> Any:
+    """Maps `fn` over the leaves of `state`, except the projectors of a
+    `ProjectedState` (an orthonormal basis, not a statistic: it stays as it is)."""
+
+    def node(x: Any) -> Any:
+        if isinstance(x, ProjectedState):
+            return x._replace(base_state=_map_state(fn, x.base_state))
+        return fn(x)
+
+    return jtu.tree_map(
+        node,
+        state,
+        is_leaf=lambda x: isinstance(x, (ProjectedState, LogQuantized)),
+    )
+
+
+def quantized_state(
+    tx: optax.GradientTransformation,
+    *,
+    bits: int = 8,
+    block_size: int = 256,
+    stochastic: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores the state of `tx` as 8-bit logarithmic codes: decoded for each update,
+    encoded again after it.
+
+    Each floating state leaf with at least `block_size` elements becomes a
+    [`quax_tangents.optax.LogQuantized`][]: about one byte per element plus four per
+    block, 0.254x of float32 and 0.508x of bfloat16 for blocks of 256. Smaller leaves,
+    integer leaves (step counts) and the projectors of
+    [`quax_tangents.optax.projected`][] are kept as they are.
+
+    **Why logarithmic.** Adam's second moment spans many orders of magnitude, and a
+    linear 8-bit code (the block's largest entry at 255) rounds every entry below
+    about 1/500 of it to zero; the update `m / (sqrt(v) + eps)` of that entry is then
+    `m / eps`, a huge step. Here a block of non-negative values gets 255 levels spread
+    evenly over 32 octaves below its largest (entries down to 2.3e-10 of it are
+    kept), and a block with negative values (a first moment) a sign and 127 levels
+    over 16 octaves (down to 1.5e-5; the first moment lives on the square-root scale
+    of the second). Either way each entry is within 4.5% of its value (half a level,
+    `2**(16 / 252)`) when rounded to nearest, at every magnitude. The kind of code is chosen per
+    block, from whether the block has negative entries, and stored in the sign of the
+    block's scale. bitsandbytes' dynamic map makes the same trade (precision relative
+    to the value, not to the block's largest) with a different table.
+
+    **Rounding.** With `stochastic=True` (the default) each value is rounded up or
+    down to its neighbouring levels with the probabilities that make it unbiased,
+    from a hash of its position and the step count (no key needed). Adam moves its
+    second moment by 0.1% a step, a fraction of the gap between two levels; rounded
+    to nearest, every such change is undone and the moment freezes.
+
+    `quantized_state` composes with [`quax_tangents.optax.projected`][] both ways:
+    `projected(quantized_state(adam), rank=...)` and
+    `quantized_state(projected(adam, rank=...))` store the same leaves (the small
+    factors' moments) and keep the projectors exact; `quax_tangents.optax.projectors`
+    reads either state. (The lazy updates of row-sparse gradients need the base's
+    state in the parameters' structure, so use the first form without them, or the
+    second.)
+
+    **Arguments:**
+
+    - `tx`: any optax transformation.
+    - `bits`: bits per stored element; only 8.
+    - `block_size`: elements per block, along each leaf's last axis.
+    - `stochastic`: unbiased stochastic rounding (`True`) or rounding to the nearest
+        level in the logarithm.
+
+    **Returns:**
+
+    A transformation with `tx`'s updates whose state is a
+    [`quax_tangents.optax.QuantizedState`][].
+    """
+    if bits != 8 or isinstance(bits, bool):
+        raise ValueError(
+            f"`bits` must be 8, got {bits!r}: with 4 bits a logarithmic code has 15 "
+            "levels, too few to keep Adam's moments."
+        )
+    block_size = check_int("block_size", block_size, 2)
+    tx = optax.with_extra_args_support(tx)
+
+    def encode(state: Any, count: Array) -> Any:
+        position = iter(range(1 << 30))
+
+        def leaf(x: Any) -> Any:
+            if not _is_stored_as_codes(x, block_size):
+                return x
+            noise = None
+            if stochastic:
+                block = min(block_size, x.shape[-1])
+                shape = (*x.shape[:-1], -(-x.shape[-1] // block), block)
+                seed = count * np.int32(7919) + np.int32(next(position))
+                noise = _block_noise(shape, seed)
+            return log_quantize(x, block_size, noise=noise)
+
+        return _map_state(leaf, state)
+
+    def decode(state: Any) -> Any:
+        return _map_state(
+            lambda x: x.decode() if isinstance(x, LogQuantized) else x, state
+        )
+
+    def init(params: PyTree) -> QuantizedState:
+        count = jnp.zeros([], jnp.int32)
+        return QuantizedState(count, encode(tx.init(params), count))
+
+    def update(
+        updates: PyTree, state: QuantizedState, params: PyTree = None, **extra: Any
+    ) -> tuple[PyTree, QuantizedState]:
+        updates, inner = tx.update(updates, decode(state.inner), params, **extra)
+        count = optax.safe_int32_increment(state.count)
+        return updates, QuantizedState(count, encode(inner, count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
