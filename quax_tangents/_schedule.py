@@ -26,6 +26,7 @@ from jaxtyping import Array
 from ._base import CompressedArray
 from ._devices import AxisName, axis_size, dense_all_reduce
 from ._fallback import record_densification
+from ._guard import is_guard
 from ._scatter import TwoPhase, chunk_elems
 from ._types.lowrank import LowRank
 from ._types.rows import SparseRows
@@ -42,6 +43,7 @@ def _struct_nbytes(tree: Any) -> int:
     return sum(
         math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
         for leaf in jax.tree_util.tree_leaves(tree)
+        if not is_guard(leaf)  # zero bytes, and no numpy dtype
     )
 
 
