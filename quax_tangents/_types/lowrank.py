@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax._src.pjit import reshard_p
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import _validate
@@ -556,3 +558,22 @@ def _dot_lowrank_dense(x: LowRank, d: ArrayLike, **params: Any) -> LowRank | Arr
 @rule(jax.lax.dot_general_p)
 def _dot_dense_lowrank(d: ArrayLike, x: LowRank, **params: Any) -> LowRank | Array:
     return _dot(x, jnp.asarray(d), False, params)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding (explicit mesh axes)
+
+
+@rule(reshard_p)
+def _reshard(x: LowRank, *, dst_sharding: Any, **params: Any) -> LowRank:
+    """Each factor takes the spec of its side: for the array's `P(*batch, rows,
+    cols)`, `left` gets `P(*batch, rows, None)` and `right` `P(*batch, cols, None)`
+    (the block of `left @ right^T` on a device is its blocks' product)."""
+    entries = tuple(dst_sharding.spec) + (None,) * (x.ndim - len(dst_sharding.spec))
+    *batch, rows, cols = entries
+
+    def moved(factor: Array, side: Any) -> Array:
+        sharding = dst_sharding.update(spec=PartitionSpec(*batch, side, None))
+        return reshard_p.bind(factor, dst_sharding=sharding, **params)
+
+    return _lowrank(moved(x.left, rows), moved(x.right, cols))
