@@ -39,7 +39,7 @@ import quax
 from jax.interpreters import ad, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
-from . import _fallback, _validate
+from . import _fallback, _sharding, _validate
 from ._projection import Finish, finish_p, outer_sum_p, rows_p
 from ._registry import rule
 
@@ -347,10 +347,9 @@ class Marked(quax.ArrayValue):
     transposed: bool = eqx.field(static=True)
 
     def aval(self) -> jax.core.ShapedArray:
-        shape = jnp.shape(self.array)
-        return jax.core.ShapedArray(
-            shape[::-1] if self.transposed else shape, self.array.dtype
-        )
+        # The weight's own type, with its sharding and varying mesh axes: JAX's
+        # sharding and `check_vma` inference read them from the operands.
+        return _sharding.transposed_type(jax.typeof(self.array), self.transposed)
 
     def materialise(self) -> Array:
         return self.array.T if self.transposed else self.array

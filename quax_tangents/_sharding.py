@@ -18,6 +18,7 @@ axes, or inside `shard_map`) both are the plain computations.
 from typing import Any
 
 import jax
+import jax._src.core as jcore
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 from jax.sharding import PartitionSpec as P
@@ -43,9 +44,61 @@ def spec_entries(x: Any) -> tuple:
     return entries + (None,) * (ndim - len(entries))
 
 
+def transposed_type(aval: Any, transposed: bool) -> Any:
+    """The type of a matrix (`aval`) or of its transpose: shape and sharding swapped,
+    varying mesh axes kept."""
+    if not transposed:
+        return aval
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return aval.update(shape=aval.shape[::-1])
+    entries = tuple(spec) + (None,) * (aval.ndim - len(spec))
+    return aval.update(
+        shape=aval.shape[::-1], sharding=sharding.update(spec=P(*entries[::-1]))
+    )
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes `x` varies over, as `check_vma` types it (empty elsewhere)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def factored_type(shape: tuple, dtype: Any, left: Any, right: Any) -> Any:
+    """The type of the matrix `left @ right^T` (with leading batch dims): the
+    sharding of `left`'s rows on its rows and of `right`'s rows on its columns, and
+    varying over every mesh axis that either factor varies over (`check_vma`)."""
+    ref = jax.typeof(left)
+    sharding = getattr(ref, "sharding", None)
+    mat = getattr(ref, "manual_axis_type", None)
+    if sharding is None or mat is None:
+        return jax.core.ShapedArray(shape, dtype)
+    left_spec = _padded(ref)
+    right_spec = _padded(jax.typeof(right))
+    rows, cols = left_spec[-2], right_spec[-2]
+    if _axes(rows) & _axes(cols) or _axes(cols) & _axes(left_spec[:-2]):
+        cols = None
+    varying = mat.varying | varying_axes(right)
+    return ref.update(
+        shape=tuple(shape),
+        dtype=dtype,
+        weak_type=False,
+        sharding=sharding.update(spec=P(*left_spec[:-2], rows, cols)),
+        manual_axis_type=mat.update(varying=varying),
+    )
+
+
+def _padded(aval: Any) -> tuple:
+    spec = tuple(getattr(getattr(aval, "sharding", None), "spec", None) or ())
+    return spec + (None,) * (aval.ndim - len(spec))
+
+
 def _axes(entry: Any) -> set:
     if entry is None:
         return set()
+    if isinstance(entry, tuple) and not isinstance(entry, P):
+        return set().union(*(_axes(e) for e in entry))
     return set(entry) if isinstance(entry, tuple) else {entry}
 
 

@@ -21,7 +21,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import _validate
 from .._base import CompressedArray, densify
-from .._devices import axis_size, gather_along
+from .._devices import axis_size, dense_all_reduce, gather_along, shared_factor
 from .._fallback import (
     budget_settings,
     is_vector_shape,
@@ -31,6 +31,7 @@ from .._fallback import (
 )
 from .._lax import add_any_p
 from .._registry import rule
+from .._sharding import factored_type
 from .._unchecked import unchecked
 
 
@@ -78,7 +79,7 @@ class LowRank(CompressedArray):
 
     def aval(self) -> jax.core.ShapedArray:
         shape = self.left.shape[:-1] + self.right.shape[-2:-1]
-        return jax.core.ShapedArray(shape, self.left.dtype)
+        return factored_type(shape, self.left.dtype, self.left, self.right)
 
     def materialise(self) -> Array:
         return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
@@ -120,6 +121,13 @@ class LowRank(CompressedArray):
         return LowRank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
+        # A factor that JAX types as the same on every device (a projector passed
+        # in replicated) factors out of the sum: all-reduce only the other one.
+        shared = shared_factor(self, axis_name)
+        if shared == "left":
+            return LowRank(self.left, dense_all_reduce(self.right, axis_name, mean=mean))
+        if shared == "right":
+            return LowRank(dense_all_reduce(self.left, axis_name, mean=mean), self.right)
         # Exact: every device's factors side by side, rank `devices * r`.
         left = gather_along(self.left, axis_name, axis=-1)
         right = gather_along(self.right, axis_name, axis=-1)
