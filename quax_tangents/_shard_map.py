@@ -41,6 +41,7 @@ from quax._trace import _QuaxTrace, _QuaxTracer
 from quax._values import _DenseArrayValue
 
 from ._fallback import record_densification
+from ._sharding import varying_axes
 from ._types.lowrank import LowRank
 
 
@@ -71,7 +72,7 @@ def _lowrank_specs(x: LowRank, spec: P) -> tuple[P, P] | None:
 
 def _factor_varies_elsewhere(factor: Any, spec: P, axes: frozenset) -> bool:
     """Whether `factor` varies over a manual axis its spec leaves unsharded."""
-    varying = getattr(jax.typeof(factor), "vma", frozenset())
+    varying = varying_axes(factor)
     sharded = {a for part in spec for a in _spec_axes(part)}
     return bool((set(varying) & axes) - sharded)
 

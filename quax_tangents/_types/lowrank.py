@@ -31,7 +31,7 @@ from .._fallback import (
 )
 from .._lax import add_any_p
 from .._registry import rule
-from .._sharding import factored_type
+from .._sharding import factored_type, varying_axes
 from .._unchecked import unchecked
 
 
@@ -337,7 +337,13 @@ def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     """
     y = jnp.asarray(y)
     if y.ndim == 0:
-        return _lowrank(x.left * y.astype(x.dtype), x.right)
+        y = y.astype(x.dtype)
+        # Scale the factor that already varies over the mesh axes `y` varies over
+        # (inside `shard_map`), so that the other keeps its narrower type.
+        extra = varying_axes(y)
+        if extra - varying_axes(x.left) and not extra - varying_axes(x.right):
+            return _lowrank(x.left, x.right * y)
+        return _lowrank(x.left * y, x.right)
     out_shape = jnp.broadcast_shapes(x.shape, y.shape)
     rows, cols = y.shape[-2:] if y.ndim >= 2 else (1, y.shape[-1])
     if rows != 1 and cols != 1:
