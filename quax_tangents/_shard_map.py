@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax._src.core as jcore
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
 from jax._src.tree_util import FlatTree
@@ -41,7 +42,7 @@ from quax._trace import _QuaxTrace, _QuaxTracer
 from quax._values import _DenseArrayValue
 
 from ._fallback import record_densification
-from ._sharding import varying_axes
+from ._sharding import explicit_axes, spec_entries, varying_axes
 from ._types.lowrank import LowRank
 
 
@@ -156,6 +157,16 @@ def _plain(trace: _QuaxTrace, tracer: Any) -> Any:
     return value.array if type(value) is _DenseArrayValue else value
 
 
+def _placed(leaf: Any, spec: Any) -> Any:
+    """Under explicit mesh axes `shard_map` checks that every input is sharded as
+    its spec says: a field (or a materialised value) is resharded to its spec."""
+    if not isinstance(spec, P) or not explicit_axes():
+        return leaf
+    if P(*spec_entries(leaf)) == P(*spec, *(None,) * (jnp.ndim(leaf) - len(spec))):
+        return leaf
+    return jax.sharding.reshard(leaf, spec)
+
+
 def _manual_axes(mesh: Any, newly_manual_axes: frozenset) -> frozenset:
     return frozenset(newly_manual_axes) | frozenset(getattr(mesh, "manual_axes", ()))
 
@@ -180,6 +191,8 @@ def _process_shard_map(
             for v, s in zip(values, in_specs)
         ]
     leaves, leaf_specs = _split(entering)
+    with jcore.set_current_trace(self.parent_trace):
+        leaves = [_placed(leaf, spec) for leaf, spec in zip(leaves, leaf_specs)]
     found: dict[str, Any] = {}
 
     def body(*body_leaves: Any) -> FlatTree:
