@@ -44,7 +44,9 @@ class GatherSum(eqx.Module):
     compressed bytes, whatever the number of devices. Results:
 
     - `LowRank`: a `LowRank` whose factors hold every device's factors (rank
-        `devices * r`).
+        `devices * r`); or, inside `shard_map(..., check_vma=True)` when JAX types
+        one factor as the same on every device (a projector passed in replicated),
+        that factor and the `psum` of the other (rank `r`, exact).
     - `Sparse`: a `Sparse` holding every device's entries (`devices * k`).
     - `Quantized`, `SignNorm`: a dense array, every device's value decoded and summed
         in float32, then cast to the value's dtype.
