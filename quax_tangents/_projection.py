@@ -197,7 +197,8 @@ def _finish_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
 
 
 def _finish_abstract(ct: Any, *operands: Any, spec: Finish) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray(ct.shape, ct.dtype)
+    # The cotangent's own type: its sharding and varying mesh axes too.
+    return ct
 
 
 _define(finish_p, _finish_dense, _finish_abstract)

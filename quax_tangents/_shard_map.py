@@ -51,8 +51,10 @@ from ._types.lowrank import LowRank
 
 
 def _is_replicated(spec: Any) -> bool:
-    return isinstance(spec, P) and all(part is None for part in spec) and not (
-        spec.unreduced or spec.reduced
+    return (
+        isinstance(spec, P)
+        and all(part is None for part in spec)
+        and not (spec.unreduced or spec.reduced)
     )
 
 

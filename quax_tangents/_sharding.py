@@ -18,7 +18,6 @@ axes, or inside `shard_map`) both are the plain computations.
 from typing import Any
 
 import jax
-import jax._src.core as jcore
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 from jax.sharding import PartitionSpec as P

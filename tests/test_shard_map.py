@@ -15,8 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
-from tests.helpers import assert_close
-from tests.helpers import llama
+from tests.helpers import assert_close, llama
 from tests.helpers.collective import (
     enough_devices,
     needs_devices_for,
@@ -24,6 +23,7 @@ from tests.helpers.collective import (
 )
 
 
+_ROWS = P("d", None)
 needs_devices = needs_devices_for("test_shard_map_tests_in_a_fresh_process", 8)
 
 
@@ -130,9 +130,7 @@ def _doubled(spec, out_spec=None):
 
     def fn(w):
         w = jax.sharding.reshard(w, spec)
-        return jax.shard_map(
-            lambda a: 2.0 * a, in_specs=spec, out_specs=out_spec
-        )(w)
+        return jax.shard_map(lambda a: 2.0 * a, in_specs=spec, out_specs=out_spec)(w)
 
     return fn
 
@@ -200,7 +198,7 @@ def test_lowrank_leaving_with_a_factor_that_varies_elsewhere_is_materialised():
 def test_other_types_with_a_sharded_spec_are_materialised_and_counted():
     tangent = qt.top_k(jnp.asarray(_numpy(1, 8, 16)), 5)
 
-    def doubled(w, spec=P("d", None)):
+    def doubled(w, spec=_ROWS):
         return jax.shard_map(lambda a: 2.0 * a, in_specs=spec, out_specs=spec)(w)
 
     with jax.set_mesh(_mesh()), qt.fallback("silent"):
@@ -361,3 +359,36 @@ def test_projected_all_reduce_without_check_vma_gathers():
     total, expected, _ = _data_parallel(4, 16, 24, 2, given=True, check_vma=False)
     assert isinstance(total, qt.LowRank) and total.rank == 4 * 2
     assert_close(total, expected)
+
+
+@needs_devices
+@pytest.mark.parametrize("vary", [False, True])
+def test_mark_inside_the_shard_map_body(vary):
+    """A mark inside the body on a replicated weight; with `device_varying`, JAX's AD
+    sums the per-device cotangents (`psum_invariant`), which a projected `LowRank`
+    with a shared projector does by summing one factor: rank `r` either way."""
+    rank = 4
+    w = jnp.asarray(_numpy(0, 8, 16))
+    x = jnp.asarray(_numpy(1, 32, 8))
+    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+
+    def loss(w):
+        def body(w, x):
+            if vary:
+                w = qt.device_varying(w, "d")
+            w = qt.projected_cotangent(w, rank, projector=projector)
+            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+
+        x_split = jax.sharding.reshard(x, P("d", None))
+        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
+            w, x_split
+        )
+
+    with jax.set_mesh(_mesh()):
+        grad = jax.jit(qt.grad(loss))(w)
+        dense_path = jax.jit(jax.grad(loss))(w)
+    full = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    assert isinstance(grad, qt.LowRank) and grad.rank == rank
+    assert_close(grad, dense_path)
+    assert_close(grad, llama.project(full, projector))
+    assert qt.fallback_counts() == {}

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax._src.lax.parallel import psum_invariant_p
 from jax._src.pjit import reshard_p
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
@@ -125,9 +126,13 @@ class LowRank(CompressedArray):
         # in replicated) factors out of the sum: all-reduce only the other one.
         shared = shared_factor(self, axis_name)
         if shared == "left":
-            return LowRank(self.left, dense_all_reduce(self.right, axis_name, mean=mean))
+            return LowRank(
+                self.left, dense_all_reduce(self.right, axis_name, mean=mean)
+            )
         if shared == "right":
-            return LowRank(dense_all_reduce(self.left, axis_name, mean=mean), self.right)
+            return LowRank(
+                dense_all_reduce(self.left, axis_name, mean=mean), self.right
+            )
         # Exact: every device's factors side by side, rank `devices * r`.
         left = gather_along(self.left, axis_name, axis=-1)
         right = gather_along(self.right, axis_name, axis=-1)
@@ -591,3 +596,11 @@ def _reshard(x: LowRank, *, dst_sharding: Any, **params: Any) -> LowRank:
         return reshard_p.bind(factor, dst_sharding=sharding, **params)
 
     return _lowrank(moved(x.left, rows), moved(x.right, cols))
+
+
+@rule(psum_invariant_p)
+def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank:
+    """The sum over devices that JAX's AD inserts for the cotangent of a value made
+    device-varying inside `shard_map` (the transpose of `pvary`): the exact
+    `all_reduce`, which moves one factor when the other is the same everywhere."""
+    return x.all_reduce(tuple(axes))

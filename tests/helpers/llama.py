@@ -136,7 +136,9 @@ def mlp(p, x):
     gate = jnp.einsum("bsd,df->bsf", x, p["w_gate"], out_sharding=bsf)
     up = jnp.einsum("bsd,df->bsf", x, p["w_up"], out_sharding=bsf)
     return jnp.einsum(
-        "bsf,fd->bsd", jax.nn.silu(gate) * up, p["w_down"],
+        "bsf,fd->bsd",
+        jax.nn.silu(gate) * up,
+        p["w_down"],
         out_sharding=P("data", None, None),
     )
 
