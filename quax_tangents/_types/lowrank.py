@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax._src.core import pvary_p
 from jax._src.lax.parallel import psum_invariant_p
 from jax._src.pjit import reshard_p
 from jax.sharding import PartitionSpec
@@ -22,7 +23,13 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import _validate
 from .._base import CompressedArray, densify
-from .._devices import axis_size, dense_all_reduce, gather_along, shared_factor
+from .._devices import (
+    axis_size,
+    dense_all_reduce,
+    gather_along,
+    shared_factor,
+    vary_leaf,
+)
 from .._fallback import (
     budget_settings,
     is_vector_shape,
@@ -122,15 +129,16 @@ class LowRank(CompressedArray):
         return LowRank(jnp.pad(self.left, pad), jnp.pad(self.right, pad))
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
-        # A factor that JAX types as the same on every device (a projector passed
+        # Results are built unchecked: their factors are sums or copies of checked
+        # ones. A factor that JAX types as the same on every device (a projector passed
         # in replicated) factors out of the sum: all-reduce only the other one.
         shared = shared_factor(self, axis_name)
         if shared == "left":
-            return LowRank(
+            return _lowrank(
                 self.left, dense_all_reduce(self.right, axis_name, mean=mean)
             )
         if shared == "right":
-            return LowRank(
+            return _lowrank(
                 dense_all_reduce(self.left, axis_name, mean=mean), self.right
             )
         # Exact: every device's factors side by side, rank `devices * r`.
@@ -138,7 +146,7 @@ class LowRank(CompressedArray):
         right = gather_along(self.right, axis_name, axis=-1)
         if mean:
             left = left / jnp.asarray(axis_size(axis_name), left.dtype)
-        return LowRank(left, right)
+        return _lowrank(left, right)
 
     def inner(self, other: Any) -> Array:
         # sum_ij conj(a_ij) b_ij from the factors: never the m x n product.
@@ -604,3 +612,11 @@ def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank:
     device-varying inside `shard_map` (the transpose of `pvary`): the exact
     `all_reduce`, which moves one factor when the other is the same everywhere."""
     return x.all_reduce(tuple(axes))
+
+
+@rule(pvary_p)
+def _pvary(x: LowRank, *, axes: tuple) -> LowRank:
+    """Typed as varying over `axes` (inside `shard_map`): every factor is, as
+    `device_varying` makes every field of a value varying. The values are
+    unchanged."""
+    return _lowrank(vary_leaf(x.left, tuple(axes)), vary_leaf(x.right, tuple(axes)))
