@@ -392,3 +392,31 @@ def test_mark_inside_the_shard_map_body(vary):
     assert_close(grad, dense_path)
     assert_close(grad, llama.project(full, projector))
     assert qt.fallback_counts() == {}
+
+
+@needs_devices
+def test_marked_weight_used_inside_the_shard_map_body():
+    """The mark outside, the product inside the body: the marked weight crosses
+    replicated (`P()`) field by field and its cotangent still comes back low-rank."""
+    rank = 4
+    w = jnp.asarray(_numpy(0, 8, 16))
+    x = jnp.asarray(_numpy(1, 32, 8))
+    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+
+    def loss(w):
+        w = qt.projected_cotangent(w, rank, projector=projector)
+
+        def body(w, x):
+            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+
+        x_split = jax.sharding.reshard(x, P("d", None))
+        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
+            w, x_split
+        )
+
+    with jax.set_mesh(_mesh()):
+        grad = jax.jit(qt.grad(loss))(w)
+        dense_path = jax.jit(jax.grad(loss))(w)
+    assert isinstance(grad, qt.LowRank) and grad.rank == rank
+    assert_close(grad, dense_path)
+    assert qt.fallback_counts() == {}
