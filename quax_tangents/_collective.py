@@ -255,10 +255,11 @@ def all_reduce(
 
     Do not hand compressed values to `lax.psum` instead: it sums their fields, which is
     silently wrong (see this module's documentation). Inside a quaxified function
-    `lax.psum` sees quax tracers; with `check_vma=True` it then raises (the values'
-    types do not say they vary), and with `check_vma=False` it densifies, counted and
-    subject to `quax_tangents.fallback`. Call `all_reduce` outside the quaxified
-    function, on the values it returns.
+    `lax.psum` sees quax tracers; with `check_vma=True` it is this exact sum for a
+    `LowRank` (whose type says where its factors vary) and raises for the other types
+    (their types do not say they vary), and with `check_vma=False` it densifies,
+    counted and subject to `quax_tangents.fallback`. Call `all_reduce` outside the
+    quaxified function, on the values it returns.
 
     **Arguments:**
 
