@@ -8,7 +8,7 @@ import importlib as _importlib
 import importlib.metadata as _metadata
 from typing import Any as _Any
 
-from . import _control as _control
+from . import _control as _control, _shard_map as _shard_map
 from ._ad import (
     compress_cotangent as compress_cotangent,
     factored_matmul as factored_matmul,

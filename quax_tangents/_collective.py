@@ -47,7 +47,9 @@ class GatherSum(eqx.Module):
     compressed bytes, whatever the number of devices. Results:
 
     - `LowRank`: a `LowRank` whose factors hold every device's factors (rank
-        `devices * r`).
+        `devices * r`); or, inside `shard_map(..., check_vma=True)` when JAX types
+        one factor as the same on every device (a projector passed in replicated),
+        that factor and the `psum` of the other (rank `r`, exact).
     - `Sparse`: a `Sparse` holding every device's entries (`devices * k`).
     - `Quantized`, `SignNorm`: a dense array, every device's value decoded and summed
         in float32, then cast to the value's dtype.
@@ -260,10 +262,11 @@ def all_reduce(
 
     Do not hand compressed values to `lax.psum` instead: it would sum their fields,
     and raises (see this module's documentation). Inside a quaxified function
-    `lax.psum` sees quax tracers; with `check_vma=True` it then raises (the values'
-    types do not say they vary), and with `check_vma=False` it densifies, counted and
-    subject to `quax_tangents.fallback`. Call `all_reduce` outside the quaxified
-    function, on the values it returns.
+    `lax.psum` sees quax tracers; with `check_vma=True` it is this exact sum for a
+    `LowRank` (whose type says where its factors vary) and raises for the other types
+    (their types do not say they vary), and with `check_vma=False` it densifies,
+    counted and subject to `quax_tangents.fallback`. Call `all_reduce` outside the
+    quaxified function, on the values it returns.
 
     **Arguments:**
 

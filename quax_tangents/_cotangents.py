@@ -41,7 +41,7 @@ from jax._src import config as jax_config
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
-from . import _fallback, _validate
+from . import _fallback, _sharding, _validate
 from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p, outer_sum_p
 from ._registry import rule
@@ -429,6 +429,13 @@ class Marked(quax.ArrayValue):
     view: tuple | None = eqx.field(static=True, default=None)
 
     def aval(self) -> jax.core.ShapedArray:
+        if self.view is None and (not self.transposed or self.array.ndim == 2):
+            # The weight's own type, with its sharding and varying mesh axes: JAX's
+            # sharding and `check_vma` inference read them from the operands.
+            typed = _sharding.transposed_type(jax.typeof(self.array), self.transposed)
+            if self.compute_dtype is not None:
+                typed = typed.update(dtype=self.compute_dtype, weak_type=False)
+            return typed
         shape = jnp.shape(self.array)
         if self.view is not None:
             rows, cols, _ = self.view

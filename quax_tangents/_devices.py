@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax._src import config as _jax_config
 from jaxtyping import Array, PyTree
 
 from ._guard import is_guard
@@ -69,6 +70,29 @@ def device_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
     # A compressed value's guard leaf is a constant that holds no data: it stays
     # replicated, so that `partition_specs` can give it `P()`.
     return jtu.tree_map(lambda x: x if is_guard(x) else vary_leaf(x, axes), tree)
+
+
+def invariant_over(x: Any, axis_name: AxisName) -> bool:
+    """Whether JAX's types say `x` is the same on every device along `axis_name`:
+    under `shard_map(..., check_vma=True)`, `x` does not vary over any of its axes.
+    Without `check_vma` nothing is known, and this is `False`."""
+    if not _jax_config._check_vma.value:  # private in jax 0.10.2
+        return False
+    varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
+    if varying is None:
+        return False
+    return not set(axes_of(axis_name)) & set(varying)
+
+
+def shared_factor(x: Any, axis_name: AxisName) -> str | None:
+    """`"left"` or `"right"`: the factor of a `LowRank` (fields `left`, `right`) that
+    is the same on every device along `axis_name`, so that the sum over devices is
+    that factor times the sum of the other; `None` when neither is known to be."""
+    if invariant_over(x.left, axis_name):
+        return "left"
+    if invariant_over(x.right, axis_name):
+        return "right"
+    return None
 
 
 def gather(x: Array, axis_name: AxisName) -> Array:

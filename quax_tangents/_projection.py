@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
+from . import _sharding
 from ._fallback import record_densification
 from ._primitives import _define as define_batched, _outer_abstract, _outer_dense
 from ._registry import rule
@@ -109,7 +110,10 @@ def _work_dtype(dtype: Any) -> Any:
 
 
 def _orthonormal(x: Array) -> Array:
-    return jnp.linalg.qr(x)[0]
+    # Not `jnp.linalg.qr`, which refuses rows sharded over an explicit mesh axis:
+    # shifted Cholesky-QR then two eigh passes on small Gram matrices, exact to
+    # rounding against QR's range (see `_sharding.orthonormal_columns`).
+    return _sharding.orthonormal_columns(x)
 
 
 def _range_basis(
@@ -118,14 +122,15 @@ def _range_basis(
     """An orthonormal `(m, rank)` basis of the dominant column space of the `(m, n)`
     matrix `G` that `apply(v) = G v` and `apply_t(u) = G^T u` act as: a randomized
     range finder with `spec.iters` power iterations and a little oversampling,
-    truncated with the SVD of the small `width x n` matrix `Y^T G`."""
+    truncated with the top left singular vectors of the small `width x n` matrix
+    `Y^T G` (from its `width x width` Gram matrix, so that `n` may be sharded)."""
     m, n = shape
     sketch = test_matrix(key, shape, spec.rank, spec.oversample)
     basis = _orthonormal(apply(sketch))
     for _ in range(spec.iters):
         basis = _orthonormal(apply(_orthonormal(apply_t(basis))))
-    u, _, _ = jnp.linalg.svd(apply_t(basis).T, full_matrices=False)
-    return basis @ u[:, : spec.rank]
+    u = _sharding.top_left_singular(apply_t(basis).T, spec.rank)
+    return _sharding.matmul(basis, u)
 
 
 def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:
@@ -163,7 +168,9 @@ def _projector(
     if spec.source == "fresh":
         return fresh()
     given, refresh = operands[0], operands[1]
-    return jax.lax.cond(refresh, fresh, lambda: given.astype(_work_dtype(given.dtype)))
+    given = given.astype(_work_dtype(given.dtype))
+    # Both cases of the switch must share a sharding (explicit mesh axes).
+    return jax.lax.cond(refresh, lambda: _sharding.like(fresh(), given), lambda: given)
 
 
 def _projected(
@@ -240,12 +247,13 @@ def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:
     """`v -> G v` and `u -> G^T u` for `G = left @ right.T`, in the working dtype."""
     work = _work_dtype(left.dtype)
     left, right = left.astype(work), right.astype(work)
-    return (lambda v: left @ (right.T @ v)), (lambda u: right @ (left.T @ u))
+    mm = _sharding.matmul
+    return (lambda v: mm(left, mm(right.T, v))), (lambda u: mm(right, mm(left.T, u)))
 
 
 def _dense_products(g: Array) -> tuple[Callable, Callable]:
     g = g.astype(_work_dtype(g.dtype))
-    return (lambda v: g @ v), (lambda u: g.T @ u)
+    return (lambda v: _sharding.matmul(g, v)), (lambda u: _sharding.matmul(g.T, u))
 
 
 def _finish_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
@@ -255,7 +263,8 @@ def _finish_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
 
 
 def _finish_abstract(ct: Any, *operands: Any, spec: Finish) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray(ct.shape, ct.dtype)
+    # The cotangent's own type: its sharding and varying mesh axes too.
+    return ct
 
 
 _define(finish_p, _finish_dense, _finish_abstract)

@@ -176,14 +176,26 @@ def test_all_reduce_rejects_a_method_for_another_type():
 
 
 @needs_devices
-def test_lax_psum_under_quax_raises_with_check_vma():
-    def body(x):
+def test_lax_psum_under_quax_with_check_vma():
+    """A LowRank's type says where its factors vary, so `lax.psum` of it (bound as
+    `psum_invariant`) is the exact `all_reduce`. Types whose values do not carry
+    varying axes still raise: the dense result's type contradicts the value's."""
+    xs = _per_device_matrices()
+
+    def lowrank_body(x):
         return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], 2))
 
-    # The densification is not what fails (it is only counted here); the dense
-    # array's type then contradicts the value's type, which did not say it varies.
+    qt.reset_fallback_counts()
+    out = on_mesh(lowrank_body, P(AXIS), P())(split(xs))
+    assert isinstance(out, qt.LowRank) and out.rank == DEVICES * 2
+    assert_close(out, _central_sum("LowRank", xs))
+    assert qt.fallback_counts() == {}
+
+    def sparse_body(x):
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.top_k(x[0], 7))
+
     with qt.fallback("silent"), pytest.raises(ValueError, match="pvary"):
-        on_mesh(body, P(AXIS), P())(split(_per_device_matrices()))
+        on_mesh(sparse_body, P(AXIS), P())(split(xs))
 
 
 @needs_devices

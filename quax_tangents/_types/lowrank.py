@@ -16,11 +16,21 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax._src.core import pvary_p
+from jax._src.lax.parallel import psum_invariant_p
+from jax._src.pjit import reshard_p
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .. import _validate
 from .._base import CompressedArray, densify
-from .._devices import axis_size, gather_along
+from .._devices import (
+    axis_size,
+    dense_all_reduce,
+    gather_along,
+    shared_factor,
+    vary_leaf,
+)
 from .._fallback import (
     budget_settings,
     is_vector_shape,
@@ -29,6 +39,7 @@ from .._fallback import (
 )
 from .._lax import add_any_p
 from .._registry import rule
+from .._sharding import factored_type, varying_axes
 from .._unchecked import unchecked
 
 
@@ -87,7 +98,7 @@ class LowRank(CompressedArray):
 
     def aval(self) -> jax.core.ShapedArray:
         shape = self.left.shape[:-1] + self.right.shape[-2:-1]
-        return jax.core.ShapedArray(shape, self.left.dtype)
+        return factored_type(shape, self.left.dtype, self.left, self.right)
 
     def materialise(self) -> Array:
         return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
@@ -144,6 +155,18 @@ class LowRank(CompressedArray):
         return _lowrank(self.left, self.right, side)
 
     def all_reduce(self, axis_name: Any, *, mean: bool = False) -> "LowRank":
+        # Results are built unchecked: their factors are sums or copies of checked
+        # ones. A factor that JAX types as the same on every device (a projector passed
+        # in replicated) factors out of the sum: all-reduce only the other one.
+        shared = shared_factor(self, axis_name)
+        if shared == "left":
+            return _lowrank(
+                self.left, dense_all_reduce(self.right, axis_name, mean=mean)
+            )
+        if shared == "right":
+            return _lowrank(
+                dense_all_reduce(self.left, axis_name, mean=mean), self.right
+            )
         # Exact: every device's factors side by side, rank `devices * r`.
         left = gather_along(self.left, axis_name, axis=-1)
         right = gather_along(self.right, axis_name, axis=-1)
@@ -363,7 +386,15 @@ def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     """
     y = jnp.asarray(y)
     if y.ndim == 0:
-        return _scale_other(x, lambda f: f * y.astype(x.dtype))
+        y = y.astype(x.dtype)
+        if x.projector_side is not None:
+            return _scale_other(x, lambda f: f * y)
+        # Scale the factor that already varies over the mesh axes `y` varies over
+        # (inside `shard_map`), so that the other keeps its narrower type.
+        extra = varying_axes(y)
+        if extra - varying_axes(x.left) and not extra - varying_axes(x.right):
+            return _lowrank(x.left, x.right * y)
+        return _lowrank(x.left * y, x.right)
     out_shape = jnp.broadcast_shapes(x.shape, y.shape)
     rows, cols = y.shape[-2:] if y.ndim >= 2 else (1, y.shape[-1])
     if rows != 1 and cols != 1:
@@ -620,3 +651,38 @@ def _dot_lowrank_dense(x: LowRank, d: ArrayLike, **params: Any) -> LowRank | Arr
 @rule(jax.lax.dot_general_p)
 def _dot_dense_lowrank(d: ArrayLike, x: LowRank, **params: Any) -> LowRank | Array:
     return _dot(x, jnp.asarray(d), False, params)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding (explicit mesh axes)
+
+
+@rule(reshard_p)
+def _reshard(x: LowRank, *, dst_sharding: Any, **params: Any) -> LowRank:
+    """Each factor takes the spec of its side: for the array's `P(*batch, rows,
+    cols)`, `left` gets `P(*batch, rows, None)` and `right` `P(*batch, cols, None)`
+    (the block of `left @ right^T` on a device is its blocks' product)."""
+    entries = tuple(dst_sharding.spec) + (None,) * (x.ndim - len(dst_sharding.spec))
+    *batch, rows, cols = entries
+
+    def moved(factor: Array, side: Any) -> Array:
+        sharding = dst_sharding.update(spec=PartitionSpec(*batch, side, None))
+        return reshard_p.bind(factor, dst_sharding=sharding, **params)
+
+    return _lowrank(moved(x.left, rows), moved(x.right, cols))
+
+
+@rule(psum_invariant_p)
+def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank:
+    """The sum over devices that JAX's AD inserts for the cotangent of a value made
+    device-varying inside `shard_map` (the transpose of `pvary`): the exact
+    `all_reduce`, which moves one factor when the other is the same everywhere."""
+    return x.all_reduce(tuple(axes))
+
+
+@rule(pvary_p)
+def _pvary(x: LowRank, *, axes: tuple) -> LowRank:
+    """Typed as varying over `axes` (inside `shard_map`): every factor is, as
+    `device_varying` makes every field of a value varying. The values are
+    unchanged."""
+    return _lowrank(vary_leaf(x.left, tuple(axes)), vary_leaf(x.right, tuple(axes)))

@@ -23,6 +23,7 @@ from .._base import CompressedArray, densify
 from .._fallback import record_densification
 from .._lax import add_any_p
 from .._registry import rule
+from .._sharding import factored_type
 
 
 class OuterSum(CompressedArray):
@@ -44,7 +45,7 @@ class OuterSum(CompressedArray):
 
     def aval(self) -> jax.core.ShapedArray:
         shape = self.left.shape[:-1] + self.right.shape[-2:-1]
-        return jax.core.ShapedArray(shape, self.left.dtype)
+        return factored_type(shape, self.left.dtype, self.left, self.right)
 
     def materialise(self) -> Array:
         return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))

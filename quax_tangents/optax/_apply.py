@@ -3,7 +3,6 @@ transformations that only take arrays, and the check behind their errors."""
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax

@@ -1,0 +1,187 @@
+"""Linear algebra that runs on operands sharded with explicit mesh axes.
+
+Under a mesh whose axes are `jax.sharding.AxisType.Explicit`, shardings are part of
+the types, and three things the projection code needs refuse sharded operands in
+jax 0.10.2:
+
+- `jnp.linalg.qr` (and `svd`) of a matrix sharded on a non-batch dim raises
+    `ShardingTypeError: Input 0 to qr must be unsharded on non-batch dimensions`;
+- a product whose contracting dim is sharded needs `out_sharding=`;
+- `lax.cond`/`select` needs its cases to share a sharding.
+
+`orthonormal_columns` is therefore built from products and factorisations of small
+`w x w` Gram matrices only (which are replicated after the reduction over the sharded
+rows), and `matmul` names the output sharding. Without explicit axes (no mesh, `Auto`
+axes, or inside `shard_map`) both are the plain computations.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+
+def explicit_axes() -> bool:
+    """Whether the current mesh has an `Explicit` axis (shardings are types)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and bool(mesh._any_axis_explicit)
+
+
+def spec_entries(x: Any) -> tuple:
+    """The entries of `x`'s sharding spec, one per dim (`None` where unsharded or
+    when shardings are not types)."""
+    ndim = jnp.ndim(x)
+    if not explicit_axes():
+        return (None,) * ndim
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None:
+        return (None,) * ndim
+    entries = tuple(spec)
+    return entries + (None,) * (ndim - len(entries))
+
+
+def transposed_type(aval: Any, transposed: bool) -> Any:
+    """The type of a matrix (`aval`) or of its transpose: shape and sharding swapped,
+    varying mesh axes kept."""
+    if not transposed:
+        return aval
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return aval.update(shape=aval.shape[::-1])
+    entries = tuple(spec) + (None,) * (aval.ndim - len(spec))
+    return aval.update(
+        shape=aval.shape[::-1], sharding=sharding.update(spec=P(*entries[::-1]))
+    )
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes `x` varies over, as `check_vma` types it (empty elsewhere)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def factored_type(shape: tuple, dtype: Any, left: Any, right: Any) -> Any:
+    """The type of the matrix `left @ right^T` (with leading batch dims): the
+    sharding of `left`'s rows on its rows and of `right`'s rows on its columns, and
+    varying over every mesh axis that either factor varies over (`check_vma`)."""
+    ref = jax.typeof(left)
+    sharding = getattr(ref, "sharding", None)
+    mat = getattr(ref, "manual_axis_type", None)
+    if sharding is None or mat is None:
+        return jax.core.ShapedArray(shape, dtype)
+    left_spec = _padded(ref)
+    right_spec = _padded(jax.typeof(right))
+    rows, cols = left_spec[-2], right_spec[-2]
+    if _axes(rows) & _axes(cols) or _axes(cols) & _axes(left_spec[:-2]):
+        cols = None
+    varying = mat.varying | varying_axes(right)
+    return ref.update(
+        shape=tuple(shape),
+        dtype=dtype,
+        weak_type=False,
+        sharding=sharding.update(spec=P(*left_spec[:-2], rows, cols)),
+        manual_axis_type=mat.update(varying=varying),
+    )
+
+
+def _padded(aval: Any) -> tuple:
+    spec = tuple(getattr(getattr(aval, "sharding", None), "spec", None) or ())
+    return spec + (None,) * (aval.ndim - len(spec))
+
+
+def _axes(entry: Any) -> set:
+    if entry is None:
+        return set()
+    if isinstance(entry, tuple) and not isinstance(entry, P):
+        return set().union(*(_axes(e) for e in entry))
+    return set(entry) if isinstance(entry, tuple) else {entry}
+
+
+def matmul(a: Float[Array, "m k"], b: Float[Array, "k n"]) -> Float[Array, "m n"]:
+    """`a @ b` for matrices; under explicit axes the result keeps `a`'s row sharding
+    and `b`'s column sharding (the latter dropped where it reuses an axis of the
+    former), and a sharded contracting dim becomes a reduction over it."""
+    if not explicit_axes():
+        return a @ b
+    rows, cols = spec_entries(a)[0], spec_entries(b)[1]
+    if _axes(rows) & _axes(cols):
+        cols = None
+    return jnp.matmul(a, b, out_sharding=P(rows, cols))
+
+
+def gram(a: Float[Array, "m w"]) -> Float[Array, "w w"]:
+    """`a^T a`, replicated: the reduction runs over `a`'s (maybe sharded) rows."""
+    if not explicit_axes():
+        return a.T @ a
+    return jnp.matmul(a.T, a, out_sharding=P(None, None))
+
+
+def like(x: Array, reference: Array) -> Array:
+    """`x` resharded as `reference` is, under explicit axes (a no-op otherwise)."""
+    if not explicit_axes():
+        return x
+    spec = P(*spec_entries(reference))
+    if P(*spec_entries(x)) == spec:
+        return x
+    return jax.sharding.reshard(x, spec)
+
+
+def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
+    """Orthonormal columns spanning the numerical range of `y`, for `w` small, from
+    `w x w` Gram matrices only, so that rows of `y` may be sharded.
+
+    1. Scale `y` by its largest magnitude (so that its Gram matrix neither overflows
+        nor underflows), then one shifted Cholesky-QR step: `R = chol(Y^T Y + s I)`,
+        `Q = Y R^{-1}`, with the shift `s = 11 (m w + w (w + 1)) u tr(Y^T Y)` of
+        shifted CholeskyQR (Fukaya et al., 2020), which keeps the Cholesky factor
+        defined for any `y` and brings the condition number of `Q` down to about
+        `u^{-1/2}`.
+    2. Twice (twice is enough for orthogonality to rounding): `Q^T Q = V L V^T`
+        (`eigh`), `Q = Q V L^{-1/2}` over the eigenvalues above `10 w eps` of the
+        largest; the others become zero columns.
+
+    A rank-deficient `y` (a gradient of rank below `w`, or zero) therefore gives
+    zero columns, never NaN, and the nonzero columns are orthonormal to the dtype's
+    rounding. Directions of `y` weaker than about `1e-5` of its largest singular
+    value in float32 are dropped; they are below what a float32 range finder
+    resolves. The columns are an orthonormal basis of the range, not the `Q` of a
+    Householder QR (the range finder only needs the range).
+
+    **Arguments:**
+
+    - `y`: floating array `(m, w)`, `m >= w` typical; rows may be sharded.
+
+    **Returns:**
+
+    An array of `y`'s shape, dtype and sharding.
+    """
+    m, w = y.shape
+    dtype = y.dtype
+    eps = jnp.finfo(dtype).eps
+    eye = jnp.eye(w, dtype=dtype)
+    largest = jnp.max(jnp.abs(y))
+    q = y / jnp.where(largest > 0, largest, 1).astype(dtype)
+    g = gram(q)
+    shift = 11 * (m * w + w * (w + 1)) * (eps / 2) * jnp.trace(g)
+    shift = shift + jnp.finfo(dtype).tiny
+    r = jnp.linalg.cholesky(g + shift * eye).T
+    q = matmul(q, solve_triangular(r, eye, lower=False))
+    for _ in range(2):
+        lam, v = jnp.linalg.eigh(gram(q))
+        keep = lam > (10 * w * eps) * jnp.max(lam)
+        scale = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, lam, 1)), 0)
+        q = matmul(q, v * scale)
+    return q
+
+
+def top_left_singular(b: Float[Array, "w n"], rank: int) -> Float[Array, "w rank"]:
+    """The top `rank` left singular vectors of a short `(w, n)` matrix whose columns
+    may be sharded: eigenvectors of the replicated `b b^T`, largest first. They are
+    orthonormal whatever the conditioning (only their order and the split of nearly
+    equal singular values depend on it)."""
+    _, v = jnp.linalg.eigh(gram(b.T))
+    return v[:, ::-1][:, :rank]

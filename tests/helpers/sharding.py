@@ -1,0 +1,75 @@
+"""Property-test cases of the LowRank rules for sharding and device sums (`reshard`,
+`psum_invariant`), on a mesh of one device so that they run in any process. The
+multi-device runs are in `tests/test_shard_map.py`. Nothing here touches devices at
+import: the mesh is made when a case is drawn."""
+
+import functools as ft
+
+import jax
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import quax_tangents as qt
+from tests.helpers.cases import Case, case
+from tests.helpers.lowrank import lowrank_values
+
+
+AXIS = "x"
+
+
+@ft.cache
+def one_device_mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh(
+        (1,), (AXIS,), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1]
+    )
+
+
+def _resharded(spec: P, x):
+    return jax.sharding.reshard(x, NamedSharding(one_device_mesh(), spec))
+
+
+@case("reshard", "LowRank")
+def _reshard():
+    specs = st.sampled_from([P(), P(AXIS), P(None, AXIS)])
+
+    @st.composite
+    def draw(draw):
+        x = draw(lowrank_values(batch_dims=0))
+        spec = draw(specs)
+        return Case(ft.partial(_resharded, spec), (x,), x.dtype, qt.LowRank)
+
+    return draw()
+
+
+def _summed_over_devices(x):
+    """`x` scaled by a device-varying scalar, then summed over the one device: the
+    scalar varies, so `lax.psum` binds `psum_invariant` on the LowRank."""
+
+    def body(a):
+        return lax.psum(a * (lax.axis_index(AXIS) + 1).astype(a.dtype), AXIS)
+
+    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(x)
+
+
+@case("psum_invariant", "LowRank")
+def _psum_invariant():
+    return lowrank_values(batch_dims=0).map(
+        lambda x: Case(_summed_over_devices, (x,), x.dtype, qt.LowRank)
+    )
+
+
+def _varied(x):
+    """`x` typed as varying over the device axis, then summed over it."""
+
+    def body(a):
+        return lax.psum(qt.device_varying(a, AXIS), AXIS)
+
+    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(x)
+
+
+@case("pvary", "LowRank")
+def _pvary():
+    return lowrank_values(batch_dims=0).map(
+        lambda x: Case(_varied, (x,), x.dtype, qt.LowRank)
+    )
