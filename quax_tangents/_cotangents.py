@@ -532,6 +532,27 @@ def _convert_marked(w: Marked, *, new_dtype: Any, **params: Any) -> Any:
 # dot_general with a marked weight
 
 
+def factored_product(gradient_factors: Callable) -> Callable:
+    """`product(dot, x, w) = dot.bind(x, w)`, whose backward pass gives `x` its usual
+    cotangent and `w` the `outer_sum_p` of `gradient_factors(dot, x, ct)`: the
+    factors `(a, b)` of the weight's gradient `a^T b`, never the product itself."""
+
+    def forward(dot: Any, x: Any, w: Any) -> tuple[Any, tuple]:
+        return dot.bind(x, w), (x, w)
+
+    def backward(dot: Any, residuals: tuple, ct: Any) -> tuple:
+        x, w = residuals
+        _, pullback = jax.vjp(lambda x: dot.bind(x, w), x)
+        (ct_x,) = pullback(ct)
+        a, b = gradient_factors(dot, x, ct)
+        a, b = a.astype(w.dtype), b.astype(w.dtype)
+        return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
+
+    product = jax.custom_vjp(lambda dot, x, w: dot.bind(x, w), nondiff_argnums=(0,))
+    product.defvjp(forward, backward)
+    return product
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dot:
     """A `dot_general` whose operand `w_is_lhs` is the (maybe transposed, maybe cast)
@@ -548,23 +569,6 @@ class _Dot:
         w = w if self.cast is None else w.astype(self.cast)
         lhs, rhs = (w, x) if self.w_is_lhs else (x, w)
         return jax.lax.dot_general_p.bind(lhs, rhs, **dict(self.params))
-
-
-def _dot_fwd(dot: _Dot, x: Any, w: Any) -> tuple[Any, tuple]:
-    return dot.bind(x, w), (x, w)
-
-
-def _dot_bwd(dot: _Dot, residuals: tuple, ct: Any) -> tuple:
-    x, w = residuals
-    _, pullback = jax.vjp(lambda x: dot.bind(x, w), x)
-    (ct_x,) = pullback(ct)
-    a, b = _gradient_factors(dot, x, ct)
-    a, b = a.astype(w.dtype), b.astype(w.dtype)
-    return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
-
-
-_factored_dot = jax.custom_vjp(_Dot.bind, nondiff_argnums=(0,))
-_factored_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def _dims(dot: _Dot) -> tuple[tuple, tuple, tuple, tuple]:
@@ -604,6 +608,9 @@ def _gradient_factors(dot: _Dot, x: Array, ct: Array) -> tuple[Array, Array]:
     # first, ct^T x otherwise; transposing the operand swaps them again.
     x_first = (w_c == nb) != dot.transposed
     return (rows_x, rows_ct) if x_first else (rows_ct, rows_x)
+
+
+_factored_dot = factored_product(_gradient_factors)
 
 
 def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._cotangents import Marked, full_perm, seen
-from ._projection import outer_sum_p
+from ._cotangents import Marked, factored_product, full_perm, seen
 from ._registry import rule
 
 
@@ -154,21 +153,7 @@ def _factors(dot: _ViewDot, x: Array, ct: Array) -> tuple[Array, Array]:
     return (a, b) if contracted == "rows" else (b, a)
 
 
-def _dot_fwd(dot: _ViewDot, x: Any, w: Any) -> tuple[Any, tuple]:
-    return dot.bind(x, w), (x, w)
-
-
-def _dot_bwd(dot: _ViewDot, residuals: tuple, ct: Any) -> tuple:
-    x, w = residuals
-    _, pullback = jax.vjp(lambda x: dot.bind(x, w), x)
-    (ct_x,) = pullback(ct)
-    a, b = _factors(dot, x, ct)
-    a, b = a.astype(w.dtype), b.astype(w.dtype)
-    return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
-
-
-_factored_view_dot = jax.custom_vjp(_ViewDot.bind, nondiff_argnums=(0,))
-_factored_view_dot.defvjp(_dot_fwd, _dot_bwd)
+_factored_view_dot = factored_product(_factors)
 
 
 def dot_view(x: ArrayLike, w: Marked, w_is_lhs: bool, params: dict) -> Any:
