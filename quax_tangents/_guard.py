@@ -96,7 +96,12 @@ def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
     return made
 
 
-GUARD_DTYPE = guard(()).dtype
+# From the abstract value: importing the package must not start JAX's backend
+# (`jax.distributed.initialize` has to come first in a multi-process program).
+_ABSTRACT_GUARD = jax.eval_shape(
+    lambda: jax.random.wrap_key_data(np.zeros((1, 1, 0), np.uint32), impl=_GUARD_IMPL)
+)
+GUARD_DTYPE = _ABSTRACT_GUARD.dtype
 
 
 def is_guard(x: Any) -> bool:
@@ -114,7 +119,8 @@ def _explaining(name: str, original: Any) -> Any:
 
 
 def _explain_key_methods() -> None:
-    key_array = type(guard(()))
+    # JAX's key-array class, named without making an array (see `GUARD_DTYPE`).
+    from jax._src.random.prng import PRNGKeyArray as key_array
     for name in dir(key_array):
         if name.startswith("_"):
             continue

@@ -68,3 +68,15 @@ def test_optax_without_the_extra_names_it():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ImportError ")
     assert 'pip install "quax-tangents[optax]"' in result.stdout
+
+
+def test_importing_starts_no_backend():
+    # A multi-process program calls `jax.distributed.initialize` after its imports and
+    # before JAX's backend starts; importing the package must not start it.
+    result = _run(
+        "import quax_tangents, quax_tangents.optax\n"
+        "from jax._src import xla_bridge\n"
+        "print(sorted(xla_bridge._backends))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
