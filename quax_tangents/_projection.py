@@ -130,7 +130,8 @@ def _range_basis(
     for _ in range(spec.iters):
         basis = _orthonormal(apply(_orthonormal(apply_t(basis))))
     u = _sharding.top_left_singular(apply_t(basis).T, spec.rank)
-    return _sharding.matmul(basis, u)
+    projector = _sharding.matmul(basis, u)
+    return projector * _sharding.column_signs(projector)
 
 
 def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:

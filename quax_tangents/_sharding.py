@@ -178,6 +178,14 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
     return q
 
 
+def column_signs(p: Float[Array, "*batch m r"]) -> Float[Array, "*batch 1 r"]:
+    """`+1` or `-1` per column of `p`, making each column's sum non-negative. Singular
+    vectors are defined up to sign, and eigh's sign depends on rounding: multiplying
+    by these makes two computations of one projector agree."""
+    total = jnp.sum(p, axis=-2, keepdims=True)
+    return jnp.where(total < 0, -1, 1).astype(p.dtype)
+
+
 def top_left_singular(b: Float[Array, "w n"], rank: int) -> Float[Array, "w rank"]:
     """The top `rank` left singular vectors of a short `(w, n)` matrix whose columns
     may be sharded: eigenvectors of the replicated `b b^T`, largest first. They are

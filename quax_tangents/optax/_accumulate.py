@@ -30,6 +30,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from .. import _ad
 from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
 from .._projection import Finish, sketch_width, test_matrix
+from .._sharding import column_signs, orthonormal_columns, top_left_singular
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from .._unchecked import unchecked
@@ -64,8 +65,22 @@ def _test_matrices(plan: LeafPlan, key: Any) -> Array:
     return draw(keys)
 
 
+def _per_matrix(fn: Any, x: Array) -> Array:
+    """`fn` of each matrix in the last two dims of `x`."""
+    for _ in range(x.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(x)
+
+
 def _orthonormal(x: Array) -> Array:
-    return jnp.linalg.qr(x.astype(jnp.promote_types(x.dtype, jnp.float32)))[0]
+    # The range finder's own orthonormalisation, so that the sums over microbatches
+    # give the projector that one full batch gives.
+    work = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return _per_matrix(orthonormal_columns, work)
+
+
+def _top_left_singular(b: Array, rank: int) -> Array:
+    return _per_matrix(lambda m: top_left_singular(m, rank), b)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,8 +323,8 @@ def accumulate_gradients(
                 factors.append(b)
                 continue
             b = b.astype(q.dtype)
-            u, _, _ = jnp.linalg.svd(jnp.swapaxes(b, -1, -2), full_matrices=False)
-            u = u[..., : plans[i].rank]
+            u = _top_left_singular(jnp.swapaxes(b, -1, -2), plans[i].rank)
+            u = u * column_signs(q @ u)  # the sign convention of the range finder
             matrices.append(q @ u)
             factors.append(b @ u)
         return loss, aux, _finish(plans, leaves, matrices, factors)
