@@ -121,6 +121,7 @@ def _explaining(name: str, original: Any) -> Any:
 def _explain_key_methods() -> None:
     # JAX's key-array class, named without making an array (see `GUARD_DTYPE`).
     from jax._src.random.prng import PRNGKeyArray as key_array
+
     for name in dir(key_array):
         if name.startswith("_"):
             continue
