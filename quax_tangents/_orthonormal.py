@@ -28,17 +28,29 @@ def orthonormality_tolerance(dtype: Any, side: int) -> float:
     return 8 * eps + 8 * math.sqrt(max(side, 1)) * work_eps
 
 
+def _unit_or_zero_diagonal(xp: Any, gram: Any) -> Any:
+    """What `P^T P` should be: the identity, except that a zero column (the range
+    finder's answer for a gradient of lower rank than the projector) stays zero;
+    `P P^T` is then the projection onto the nonzero columns' span. A matrix of zeros
+    only is no projector."""
+    diagonal = xp.diagonal(gram, axis1=-2, axis2=-1)
+    units = xp.where(diagonal > 0.5, 1.0, 0.0).astype(gram.dtype)
+    # All zero is the placeholder of a refresh step, not a projector: the identity.
+    units = xp.where(xp.any(units > 0, axis=-1, keepdims=True), units, 1.0)
+    return units[..., :, None] * xp.eye(gram.shape[-1], dtype=gram.dtype)
+
+
 def orthonormality_error(matrix: Any) -> Any:
     """`max |P^T P - I|` over the last two dims (the batch dims of a stack too)."""
     work = jnp.promote_types(jnp.result_type(matrix), jnp.float32)
     p = jnp.asarray(matrix).astype(work)
     gram = jnp.swapaxes(p, -1, -2) @ p
-    return jnp.max(jnp.abs(gram - jnp.eye(p.shape[-1], dtype=work)))
+    return jnp.max(jnp.abs(gram - _unit_or_zero_diagonal(jnp, gram)))
 
 
 def _message(name: str, error: Any, tolerance: float) -> str:
     return (
-        f"`{name}` must have orthonormal columns (P^T P = I), but "
+        f"`{name}` must have orthonormal columns (P^T P = I, zero columns allowed), but "
         f"max|P^T P - I| = {error} exceeds {tolerance:.2g}, the tolerance for its "
         "dtype: the result would not be a projection of the gradient. Orthonormalise "
         "it first (`jnp.linalg.qr(p)[0]`), or pass `projector=None` for a fresh one."
@@ -69,7 +81,7 @@ def check_orthonormal(matrix: Any, name: str, *, skip: Any = False) -> Any:
         work = np.float64 if jnp.result_type(matrix) == jnp.float64 else np.float32
         p = np.asarray(matrix).astype(work)
         gram = np.swapaxes(p, -1, -2) @ p
-        error = float(np.max(np.abs(gram - np.eye(shape[-1], dtype=work))))
+        error = float(np.max(np.abs(gram - _unit_or_zero_diagonal(np, gram))))
         if not error <= tolerance:
             raise ValueError(_message(name, f"{error:.3g}", tolerance))
         return matrix

@@ -70,3 +70,16 @@ def test_a_traced_refresh_skips_the_check_in_the_program():
         with pytest.raises(Exception, match="orthonormal"):
             jax.block_until_ready(grad(W, jnp.zeros((6, 2)), jnp.array(False)))
     assert eqx.is_array(g.left)
+
+
+def test_zero_columns_are_allowed_but_not_all_zeros():
+    # The range finder gives zero columns for a gradient of lower rank than the
+    # projector; such a projector is fed back on the next step.
+    p = np.zeros((6, 3), np.float32)
+    p[:, :2] = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 2)))[0]
+    qt.Projector(jnp.asarray(p), False)
+    with pytest.raises(ValueError, match="orthonormal"):
+        qt.Projector(jnp.zeros((6, 3)), False)
+    p[0, 2] = 0.3  # a column that is neither zero nor a unit vector
+    with pytest.raises(ValueError, match="orthonormal"):
+        qt.Projector(jnp.asarray(p), False)

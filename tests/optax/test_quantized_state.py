@@ -215,7 +215,9 @@ def test_training_with_8_bit_state_ends_within_2_percent_of_float32():
 
 
 def _marked(g, projector):
-    return qt.LowRank(jnp.asarray(projector), jnp.asarray(g.T @ projector))
+    return qt.LowRank(
+        jnp.asarray(projector), jnp.asarray(g.T @ projector), projector_side="left"
+    )
 
 
 def test_composes_with_projected_either_way():
