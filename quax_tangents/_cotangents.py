@@ -640,6 +640,6 @@ def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
     return _dot_marked(x, w, True, params)
 
 
-# Row gathers of a row-marked table and reshaped views of a marked weight; imported
-# last, as they build on `Marked`.
-from . import _marked_rows, _marked_views  # noqa: E402, F401
+# Row gathers of a row-marked table, reshaped and device-varying views of a marked
+# weight; imported last, as they build on `Marked`.
+from . import _marked_rows, _marked_sharding, _marked_views  # noqa: E402, F401

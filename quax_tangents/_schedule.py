@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._base import CompressedArray
-from ._devices import AxisName, axis_size, dense_all_reduce
+from ._devices import AxisName, axis_size, dense_all_reduce, shared_factor
 from ._fallback import record_densification
 from ._guard import is_guard
 from ._scatter import TwoPhase, chunk_elems
@@ -108,6 +108,20 @@ def dense_sum(x: CompressedArray, axis_name: AxisName, mean: bool) -> Array:
     return dense_all_reduce(x.materialise(), axis_name, mean=mean)
 
 
+def _sums_one_factor(x: CompressedArray, axis_name: AxisName) -> bool:
+    """Whether `x` is a `LowRank` with a factor that is the same on every device (a
+    projector passed in replicated), whose own `all_reduce` then sums the other
+    factor alone (a dense all-reduce of it), and that factor is no larger than the
+    matrix: fewer bytes than the dense all-reduce, without the gather's rank growth."""
+    if not isinstance(x, LowRank):
+        return False
+    side = shared_factor(x, axis_name)
+    if side is None:
+        return False
+    summed = x.right if side == "left" else x.left
+    return summed.size <= math.prod(x.shape)
+
+
 class Cheapest(eqx.Module):
     """The sum by whichever schedule receives the fewest bytes per device at the
     axis size in use: the default of [`quax_tangents.all_reduce`][].
@@ -128,9 +142,16 @@ class Cheapest(eqx.Module):
         exact sum, dense. For `LowRank` and `Sparse`, whose gathered sum would stay
         compressed, that is counted as a densification (`quax_tangents.fallback`);
         `Quantized` and `SignNorm` sums are dense whatever the schedule.
+
+    A `LowRank` with a factor the same on every device (a projected gradient with a
+    replicated projector, under `check_vma`) is summed by its own `all_reduce`,
+    which all-reduces only the other factor, whenever that factor is no larger than
+    the matrix: exact, rank kept, fewer bytes than any schedule above.
     """
 
     def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> Any:
+        if _sums_one_factor(x, axis_name):
+            return x.all_reduce(axis_name, mean=mean)
         schedule = cheapest_schedule(x, axis_size(axis_name))
         if schedule == "two_phase":
             return TwoPhase().reduce(x, axis_name, mean)

@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax._src.lax.parallel import psum_invariant_p
 from jaxtyping import Array, ArrayLike, Float
 
 from .._base import CompressedArray, densify
+from .._devices import gather_along
 from .._fallback import record_densification
 from .._lax import add_any_p
 from .._registry import rule
@@ -97,3 +99,14 @@ def _reduce_sum(x: OuterSum, *, axes: tuple[int, ...], **params: Any) -> Any:
         return moved.reshape(moved.shape[: len(keep) + 1] + (terms,))
 
     return OuterSum(merge(x.left), merge(x.right))
+
+
+@rule(psum_invariant_p)
+def _psum_invariant(x: OuterSum, *, axes: tuple) -> OuterSum:
+    """The sum over devices that JAX's AD inserts for the cotangent of a marked
+    weight made device-varying inside `shard_map` (the transpose of `pvary`): every
+    device's terms side by side, exact, finished afterwards like any other sum."""
+    axes = tuple(axes)
+    return OuterSum(
+        gather_along(x.left, axes, axis=-1), gather_along(x.right, axes, axis=-1)
+    )

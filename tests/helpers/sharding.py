@@ -1,17 +1,23 @@
-"""Property-test cases of the LowRank rules for sharding and device sums (`reshard`,
-`psum_invariant`), on a mesh of one device so that they run in any process. The
+"""Property-test cases of the rules for sharding and device sums (`reshard`,
+`psum_invariant` and `pvary` of LowRank, `pvary` of a marked weight, `psum_invariant`
+of an OuterSum), on a mesh of one device so that they run in any process. The
 multi-device runs are in `tests/test_shard_map.py`. Nothing here touches devices at
 import: the mesh is made when a case is drawn."""
 
 import functools as ft
 
 import jax
+import jax.numpy as jnp
 from hypothesis import strategies as st
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
+from quax_tangents._projection import outer_sum_p
+from quax_tangents._types.outer import OuterSum
+from tests.helpers import random_array, seeds
 from tests.helpers.cases import Case, case
+from tests.helpers.cotangents import _marked
 from tests.helpers.lowrank import lowrank_values
 
 
@@ -73,3 +79,45 @@ def _pvary():
     return lowrank_values(batch_dims=0).map(
         lambda x: Case(_varied, (x,), x.dtype, qt.LowRank)
     )
+
+
+def _marked_varied(w):
+    """A marked weight typed as varying over the device axis, then used in a matmul
+    whose result is summed over it."""
+
+    def body(a):
+        eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+        return lax.psum(qt.device_varying(a, AXIS) @ eye, AXIS)
+
+    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(w)
+
+
+@case("pvary", "Marked")
+def _pvary_marked():
+    # Kinds whose matmul keeps the mark (a row-marked table's matmul is counted).
+    kinds = st.sampled_from(["factored", "projected"])
+    weights = kinds.flatmap(lambda kind: _marked(kind=kind, batch=()))
+    return weights.map(lambda w: Case(_marked_varied, (w,), w.dtype))
+
+
+def _outer_summed(a, b):
+    """The OuterSum `a^T b` of device-varying factors, summed over the device axis."""
+
+    def body(a, b):
+        a, b = qt.device_varying((a, b), AXIS)
+        return lax.psum(outer_sum_p.bind(a, b, batch_ndim=0), AXIS)
+
+    spec = dict(mesh=one_device_mesh(), in_specs=(P(), P()), out_specs=P())
+    return jax.shard_map(body, **spec)(a, b)
+
+
+@case("psum_invariant", "OuterSum")
+def _psum_invariant_outer():
+    @st.composite
+    def draw(draw):
+        rows, m, n = (draw(st.integers(1, 5)) for _ in range(3))
+        a = random_array(draw(seeds()), (rows, m))
+        b = random_array(draw(seeds()), (rows, n))
+        return Case(_outer_summed, (a, b), a.dtype, OuterSum)
+
+    return draw()
