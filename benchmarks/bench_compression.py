@@ -504,7 +504,9 @@ def report(args, sections, targets, block_ratio, lapack, started, elapsed, load)
 def main() -> int:
     """Runs every measurement, writes the results file and returns the exit status:
     1 if a storage target is missed or a documented bound does not hold."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -381,7 +381,9 @@ def report(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    )
     parser.add_argument(
         "--quick", action="store_true", help="64 x 64, 3 calls, one round (seconds)"
     )

@@ -346,7 +346,9 @@ def main(out: pathlib.Path, quick: bool = False, seed: int = 0) -> list[History]
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    )
     parser.add_argument(
         "--out",
         type=pathlib.Path,

@@ -163,7 +163,9 @@ def main(steps: int = 300, learning_rate: float = 0.1) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--learning-rate", type=float, default=0.1)
     args = parser.parse_args()

@@ -755,7 +755,9 @@ def main_memory(out: pathlib.Path, config: Config = MEMORY) -> MemoryResult:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
