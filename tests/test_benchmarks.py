@@ -170,6 +170,7 @@ def test_encoders_benchmark_quick(tmp_path):
     assert "## What the overflow safety costs" in text
 
 
+@pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
     text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
     assert "bench_transformer.py --quick --out" in text
@@ -180,6 +181,7 @@ def test_transformer_benchmark_quick(tmp_path):
     assert len(verdicts) == 6 and all(v == "met" for _, v in verdicts), verdicts
 
 
+@pytest.mark.slow
 def test_scale_benchmark_quick(tmp_path):
     # Compiles (never runs) the 60M Llama's step with BF16 Adam and with projected
     # gradients and 8-bit state; the figures are XLA's, so only their presence and

@@ -27,6 +27,7 @@ _ROWS = P("d", None)
 needs_devices = needs_devices_for("test_shard_map_tests_in_a_fresh_process", 8)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(enough_devices(8), reason="this process has the devices")
 def test_shard_map_tests_in_a_fresh_process():
     run_tests_in_fresh_process(__file__, "not fresh_process")
