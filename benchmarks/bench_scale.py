@@ -144,7 +144,9 @@ def projected_transformation(config: LlamaConfig, arm: str):
         scale=GALORE_SCALE,
         project=_block_matrices,
     )
-    return qto.quantized_state(tx) if arm == "projected-8bit" else tx
+    if arm == "projected-8bit":
+        tx = qto.quantized_state(tx)
+    return qto.layerwise(tx, layers=config.layers)
 
 
 def _top(tree: dict) -> dict:

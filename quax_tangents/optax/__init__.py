@@ -42,6 +42,7 @@ if importlib.util.find_spec("optax") is None:
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import CompressState as CompressState, compress as compress
+from ._layerwise import layerwise as layerwise
 from ._mark import mark as mark
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
 from ._projected import (
@@ -67,6 +68,7 @@ __all__ = [
     "accumulate_gradients",
     "apply_updates",
     "compress",
+    "layerwise",
     "lift",
     "log_quantize",
     "mark",
