@@ -21,6 +21,7 @@ import jax
 import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
@@ -82,7 +83,7 @@ def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
 
 
 Kind = Literal["factored", "projected", "rows"]
-Source = Literal["given", "fresh", "switch", "sketch"]
+Source = Literal["given", "fresh", "switch", "sketch", "sketch_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,9 @@ class Finish:
 
     `source` says where a projection's projector comes from: `"given"` (operands:
     the projector), `"fresh"` (operands: the key data) or `"switch"` (operands: the
-    projector, a bool saying "refresh", the key data).
+    projector, a bool saying "refresh", the key data). `"sketch"` (operands: a test
+    matrix `Ω`) and `"sketch_key"` (operands: the key data `Ω` is drawn from, as the
+    range finder of `"fresh"` draws it) give `G Ω` instead of a projection.
     """
 
     kind: Kind
@@ -189,6 +192,12 @@ def _projected(
         apply, apply_t, shape = apply_t, apply, (n, m)
     if spec.source == "sketch":
         return _sketch(operands, apply, m <= n, dtype)
+    if spec.source == "sketch_key":
+        # Drawn here, one slice at a time inside a scan over stacked layers, rather
+        # than for every layer at once before the pass.
+        key = _key(spec, operands[0])
+        omega = test_matrix(key, shape, spec.rank, spec.oversample)
+        return _sketch((omega,), apply, m <= n, dtype)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source == "given":
         basis_out = operands[0].astype(dtype)  # exactly the projector given
@@ -209,16 +218,36 @@ def _per_slice(spec: Finish) -> tuple[bool, ...]:
         "fresh": (True,),
         "switch": (True, False, True),
         "sketch": (True,),
+        "sketch_key": (True,),
     }[spec.source]
 
 
 def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:
-    """`fn(*arrays, *operands)` for one matrix, mapped over `batch_ndim` leading
-    dims of the arrays and of the per-slice operands."""
-    axes = (0,) * arrays + tuple(0 if s else None for s in _per_slice(spec))
-    for _ in range(batch_ndim):
-        fn = jax.vmap(fn, in_axes=axes)
-    return fn
+    """`fn(*arrays, *operands)` for one matrix, over `batch_ndim` leading dims of
+    the arrays and of the per-slice operands: one slice after another
+    (`lax.map`), so that a slice's working buffers (its test matrix, the float32
+    products, a refresh's range finder) are live one slice at a time, and a
+    `lax.cond` between keeping and refreshing a projector stays a branch."""
+    if batch_ndim == 0:
+        return fn
+    per_slice = (True,) * arrays + _per_slice(spec)
+
+    def mapped(*args: Any) -> Any:
+        batch = args[0].shape[:batch_ndim]
+        sliced = [
+            a.reshape(-1, *a.shape[batch_ndim:]) if cut else None
+            for a, cut in zip(args, per_slice)
+        ]
+        shared = [None if cut else a for a, cut in zip(args, per_slice)]
+
+        def one(xs: tuple) -> Any:
+            full = [x if cut else y for x, y, cut in zip(xs, shared, per_slice)]
+            return fn(*full)
+
+        out = jax.lax.map(one, tuple(sliced))
+        return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+
+    return mapped
 
 
 def _project_factors(spec: Finish, left: Array, right: Array, *operands) -> LowRank:

@@ -18,6 +18,7 @@ That is the full batch's range finder, step for step; only the order of addition
 differs. (Written for `m <= n`; a tall weight is projected on its columns, `G^T`.)
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _ad
 from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
-from .._projection import Finish, sketch_width, test_matrix
+from .._projection import Finish
 from .._sharding import column_signs, orthonormal_columns, top_left_singular
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
@@ -44,58 +45,61 @@ _OVERSAMPLE = Finish("projected").oversample
 _WHERE = "`quax_tangents.optax.accumulate_gradients`"
 
 
-def _small_shape(plan: LeafPlan) -> tuple[int, int]:
-    """The range finder's `(smaller side, larger side)` of one matrix."""
-    return (min(plan.m, plan.n), max(plan.m, plan.n))
+def _test_keys(plan: LeafPlan, key: Any) -> Array:
+    """The key data the mark's range finder draws `Ω` from: for a stack, one key per
+    slice split from the leaf's key (as `projected_cotangent` splits it)."""
+    if plan.batch:
+        key = jax.random.split(key, math.prod(plan.batch)).reshape(plan.batch)
+    return jax.random.key_data(key)
 
 
-def _width(plan: LeafPlan) -> int:
-    return sketch_width(_small_shape(plan), plan.rank, _OVERSAMPLE)
+def _per_matrix(fn: Any, *xs: Array) -> Array:
+    """`fn` of each matrix in the last two dims of `xs`, one after another
+    (`lax.map`), so that its float32 work is one matrix's size, not the stack's."""
+    batch = xs[0].shape[:-2]
+    if not batch:
+        return fn(*xs)
+    flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
+    out = jax.lax.map(lambda args: fn(*args), tuple(flat))
+    return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
 
 
-def _test_matrices(plan: LeafPlan, key: Any) -> Array:
-    """`Ω` `(*batch, larger side, width)`, drawn as the mark's range finder draws it:
-    for a stack, one key per slice split from the leaf's key."""
-    draw = lambda k: test_matrix(k, _small_shape(plan), plan.rank, _OVERSAMPLE)  # noqa: E731
-    if not plan.batch:
-        return draw(key)
-    keys = jax.random.split(key, math.prod(plan.batch)).reshape(plan.batch)
-    for _ in plan.batch:
-        draw = jax.vmap(draw)
-    return draw(keys)
-
-
-def _per_matrix(fn: Any, x: Array) -> Array:
-    """`fn` of each matrix in the last two dims of `x`."""
-    for _ in range(x.ndim - 2):
-        fn = jax.vmap(fn)
-    return fn(x)
-
-
-def _orthonormal(x: Array) -> Array:
+def _orthonormal(x: Array, dtype: Any) -> Array:
     # The range finder's own orthonormalisation, so that the sums over microbatches
-    # give the projector that one full batch gives.
-    work = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return _per_matrix(orthonormal_columns, work)
+    # give the projector that one full batch gives; kept in the weight's dtype.
+    def one(m: Array) -> Array:
+        work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
+        return orthonormal_columns(work).astype(dtype)
+
+    return _per_matrix(one, x)
 
 
-def _top_left_singular(b: Array, rank: int) -> Array:
-    return _per_matrix(lambda m: top_left_singular(m, rank), b)
+def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
+    """The range finder's last step for one matrix: `U` the top left singular
+    vectors of `B^T`, `P = Q U` with its sign convention, and the factor `B U`."""
+    work = jnp.promote_types(q.dtype, jnp.float32)
+    q, b = q.astype(work), b.astype(work)
+    u = top_left_singular(b.T, rank)
+    u = u * column_signs(q @ u)
+    return q @ u, b @ u
 
 
 # ---------------------------------------------------------------------------------------
 # One pass over the microbatches
 
 
-def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple[str, Any] | None) -> Any:
+def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple | None) -> Any:
     if plan is None or leaf is None:
         return leaf
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
-    kind, matrix = mode  # type: ignore[misc]
+    kind, matrix = mode[:2]  # type: ignore[index]
     if kind == "given":
         width = matrix.shape[-1]
         return projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
+    if kind == "sketch_key":
+        spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
+        return bind_mark(spec, leaf, (matrix,))
     spec = Finish("projected", matrix.shape[-1], 0, "sketch")
     return bind_mark(spec, leaf, (matrix,))
 
@@ -114,7 +118,7 @@ def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any
         # The factor that is not the given matrix: G^T Q (given) or G Ω (sketch),
         # both on the side opposite the projector in "given" mode.
         projector_left = plan.side == "left"
-        if mode[0] == "sketch":
+        if mode[0] in ("sketch", "sketch_key"):
             return grad.left if projector_left else grad.right
         return grad.right if projector_left else grad.left
     if isinstance(grad, SparseRows):
@@ -284,6 +288,7 @@ def accumulate_gradients(
     ]
     keys = leaf_keys(key, inner, len(projected))
     key_of = {i: keys[j] for j, i in enumerate(projected)}
+    key_impl = str(jax.random.key_impl(keys))
 
     def run(modes: list) -> tuple[Array, Any, list]:
         return _pass(loss_fn, params, microbatches, plans, treedef, modes, has_aux)
@@ -298,20 +303,24 @@ def accumulate_gradients(
 
     def refresh(projectors: list) -> tuple[Array, Any, list]:
         del projectors
-        omegas = [
-            _test_matrices(plans[i], key_of[i]) if i in key_of else None
+        # Each slice's test matrix is drawn inside the model's pass, from its key.
+        first = [
+            ("sketch_key", _test_keys(plans[i], key_of[i]), key_impl)
+            if i in key_of
+            else None
             for i in range(len(plans))
         ]
 
         def orthonormal(parts: list) -> list:  # the projected leaves' parts only
             return [
-                _orthonormal(x) if i in key_of else None for i, x in enumerate(parts)
+                _orthonormal(x, leaves[i].dtype) if i in key_of else None
+                for i, x in enumerate(parts)
             ]
 
         def sketch(tests: list) -> list:
             return [None if o is None else ("sketch", o) for o in tests]
 
-        bases = orthonormal(run(sketch(omegas))[2])
+        bases = orthonormal(run(first)[2])
         for _ in range(iters):
             tests = orthonormal(run(given(bases))[2])
             bases = orthonormal(run(sketch(tests))[2])
@@ -322,11 +331,9 @@ def accumulate_gradients(
                 matrices.append(None)
                 factors.append(b)
                 continue
-            b = b.astype(q.dtype)
-            u = _top_left_singular(jnp.swapaxes(b, -1, -2), plans[i].rank)
-            u = u * column_signs(q @ u)  # the sign convention of the range finder
-            matrices.append(q @ u)
-            factors.append(b @ u)
+            p, f = _per_matrix(functools.partial(_truncate, rank=plans[i].rank), q, b)
+            matrices.append(p)
+            factors.append(f)
         return loss, aux, _finish(plans, leaves, matrices, factors)
 
     # The projectors enter as operands: traced, the steady branch does not check the
