@@ -77,11 +77,12 @@ def _orthonormal(x: Array, dtype: Any) -> Array:
 def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
     """The range finder's last step for one matrix: `U` the top left singular
     vectors of `B^T`, `P = Q U` with its sign convention, and the factor `B U`."""
+    dtype = b.dtype
     work = jnp.promote_types(q.dtype, jnp.float32)
     q, b = q.astype(work), b.astype(work)
     u = top_left_singular(b.T, rank)
     u = u * column_signs(q @ u)
-    return q @ u, b @ u
+    return (q @ u).astype(dtype), (b @ u).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------
