@@ -334,12 +334,20 @@ class _Loop:
         for k in range(first, first + grad_arrays[index]):
             self.array_rows[k] = None
 
-    def one(self, layer: Any, state_leaves: list) -> tuple[list, list, list]:
+    def one(
+        self, layer: Any, state_leaves: list, sources: dict | None = None
+    ) -> tuple[list, list, list]:
         """`tx.update` on slice `layer`: the new state's, the updates' and the
-        sliced gradients' flat arrays."""
+        sliced gradients' flat arrays. `sources` maps a gradient array to the
+        buffer it is read from instead (the updates' buffer it is written over)."""
+        sources = sources or {}
         g = [
-            a if r is None else r.read(a, layer)
-            for a, r in zip(self.arrays, self.array_rows)
+            a
+            if r is None
+            else _unbits(r.read(sources[k], layer), a.dtype)
+            if k in sources
+            else r.read(a, layer)
+            for k, (a, r) in enumerate(zip(self.arrays, self.array_rows))
         ]
         g_leaves = jtu.tree_unflatten(self.arrays_def, g)
         p = None
@@ -394,8 +402,42 @@ class _Loop:
             "guard" if is_guard(o) else p for o, p in zip(one_out, passthrough)
         ]
 
+    def _pairs(self) -> dict[int, int]:
+        """Update arrays written over the gradient array they replace (same leaf,
+        shape and dtype, split, not passed through): each slice of the gradient
+        is read before its update is written there, so the two share a buffer."""
+        taken = {p for p in self.passthrough if isinstance(p, int)}
+        leaf_of_grad = [
+            k for k, grad in enumerate(self.grads) for _ in jtu.tree_leaves(grad)
+        ]
+        marks = jtu.tree_unflatten(self.out_def, list(range(len(self.full_out))))
+        leaf_of_out = {
+            index: k
+            for k, leaf in enumerate(self.treedef.flatten_up_to(marks))
+            for index in jtu.tree_leaves(leaf)
+        }
+        pairs = {}
+        for o, (f, r, p) in enumerate(
+            zip(self.full_out, self.out_rows, self.passthrough)
+        ):
+            if r is None or p is not None:
+                continue
+            for g, (a, rows) in enumerate(zip(self.arrays, self.array_rows)):
+                if (
+                    g not in taken
+                    and rows is not None
+                    and leaf_of_grad[g] == leaf_of_out[o]
+                    and tuple(jnp.shape(a)) == tuple(f.shape)
+                    and jnp.dtype(a.dtype) == jnp.dtype(f.dtype)
+                ):
+                    pairs[o] = g
+                    taken.add(g)
+                    break
+        return pairs
+
     def run(self) -> tuple[PyTree, Any]:
         self._outputs()
+        pairs = self._pairs()
         initial_state = [
             x if r is None else _bits(x)
             for x, r in zip(self.state_leaves, self.state_rows)
@@ -403,13 +445,20 @@ class _Loop:
         initial_out = [
             None
             if p is not None
+            else _bits(self.arrays[pairs[o]])
+            if o in pairs
             else jnp.zeros(f.shape, f.dtype if r is None else _carried_dtype(f.dtype))
-            for f, r, p in zip(self.full_out, self.out_rows, self.passthrough)
+            for o, (f, r, p) in enumerate(
+                zip(self.full_out, self.out_rows, self.passthrough)
+            )
         ]
 
         def body(layer: Any, carry: tuple) -> tuple:
             carried_state, carried_out = carry
-            new_state, out, _ = self.one(layer, self.state_slice(layer, carried_state))
+            sources = {g: carried_out[o] for o, g in pairs.items()}
+            new_state, out, _ = self.one(
+                layer, self.state_slice(layer, carried_state), sources
+            )
             carried_state = [
                 n if r is None else r.write(c, n, layer)
                 for c, n, r in zip(carried_state, new_state, self.state_rows)
