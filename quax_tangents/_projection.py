@@ -27,6 +27,7 @@ from jaxtyping import Array, ArrayLike
 
 from . import _sharding
 from ._fallback import record_densification
+from ._inplace import as_bits, from_bits
 from ._primitives import _define as define_batched, _outer_abstract, _outer_dense
 from ._registry import rule
 from ._types.lowrank import LowRank, within_budget
@@ -83,7 +84,7 @@ def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
 
 
 Kind = Literal["factored", "projected", "rows"]
-Source = Literal["given", "fresh", "switch", "sketch", "sketch_key"]
+Source = Literal["given", "given_into", "fresh", "switch", "sketch", "sketch_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,10 @@ class Finish:
     projector, a bool saying "refresh", the key data). `"sketch"` (operands: a test
     matrix `Ω`) and `"sketch_key"` (operands: the key data `Ω` is drawn from, as the
     range finder of `"fresh"` draws it) give `G Ω` instead of a projection.
+    `"given_into"` (operands: the projector, a sum `S` of earlier factors) gives
+    `LowRank(P, S + G^T P)`, written over `S` slice by slice: how
+    `quax_tangents.optax.accumulate_gradients` adds microbatches up without a second
+    factor-sized buffer.
     """
 
     kind: Kind
@@ -166,7 +171,7 @@ def _projector(
     spec: Finish, operands: tuple, apply: Callable, apply_t: Callable, shape: tuple
 ) -> Array:
     """The projector this step uses, in the working dtype."""
-    if spec.source == "given":
+    if spec.source in ("given", "given_into"):
         return operands[0].astype(_work_dtype(operands[0].dtype))
     fresh = lambda: _range_basis(apply, apply_t, shape, spec, _key(spec, operands[-1]))  # noqa: E731
     if spec.source == "fresh":
@@ -199,11 +204,14 @@ def _projected(
         omega = test_matrix(key, shape, spec.rank, spec.oversample)
         return _sketch((omega,), apply, m <= n, dtype)
     basis = _projector(spec, operands, apply, apply_t, shape)
-    if spec.source == "given":
+    if spec.source in ("given", "given_into"):
         basis_out = operands[0].astype(dtype)  # exactly the projector given
     else:
         basis_out = basis.astype(dtype)
-    other = apply_t(basis).astype(dtype)
+    other = apply_t(basis)
+    if spec.source == "given_into":
+        other = other + operands[1].astype(other.dtype)
+    other = other.astype(dtype)
     # Computed, not user input: a NaN in the gradient flows on (see `_unchecked`).
     if m <= n:
         return unchecked(LowRank, left=basis_out, right=other, projector_side="left")
@@ -215,6 +223,7 @@ def _per_slice(spec: Finish) -> tuple[bool, ...]:
     (the projector and the key data); `refresh` is shared by every slice."""
     return {
         "given": (True,),
+        "given_into": (True, True),
         "fresh": (True,),
         "switch": (True, False, True),
         "sketch": (True,),
@@ -230,6 +239,8 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     `lax.cond` between keeping and refreshing a projector stays a branch."""
     if batch_ndim == 0:
         return fn
+    if spec.source == "given_into":
+        return _into_slices(fn, batch_ndim)
     per_slice = (True,) * arrays + _per_slice(spec)
 
     def mapped(*args: Any) -> Any:
@@ -246,6 +257,42 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
 
         out = jax.lax.map(one, tuple(sliced))
         return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+
+    return mapped
+
+
+def _into_slices(fn: Callable, batch_ndim: int) -> Callable:
+    """`fn(*arrays, projector, sum)` of a `"given_into"` finish, slice by slice in a
+    loop that writes each slice's new sum over the old one (in place), so that the
+    stack of sums is the only factor-sized buffer."""
+
+    def mapped(*args: Any) -> LowRank:
+        *arrays, projector, total = args
+        batch = total.shape[:batch_ndim]
+        flat = lambda a: a.reshape(-1, *a.shape[batch_ndim:])  # noqa: E731
+        arrays, projector, start = (
+            [flat(a) for a in arrays],
+            flat(projector),
+            flat(total),
+        )
+        left_side: list[bool] = []
+
+        def body(i: Any, buffer: Any) -> Any:
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
+            old = from_bits(take(buffer), total.dtype)
+            out = fn(*[take(a) for a in arrays], take(projector), old)
+            left_side.append(out.projector_side == "left")
+            new = as_bits(
+                (out.right if left_side[-1] else out.left).astype(total.dtype)
+            )
+            return jax.lax.dynamic_update_index_in_dim(buffer, new, i, 0)
+
+        sums = jax.lax.fori_loop(0, start.shape[0], body, as_bits(start))
+        sums = from_bits(sums, total.dtype).reshape(total.shape)
+        basis = projector.reshape(*batch, *projector.shape[1:]).astype(total.dtype)
+        if left_side[0]:
+            return unchecked(LowRank, left=basis, right=sums, projector_side="left")
+        return unchecked(LowRank, left=sums, right=basis, projector_side="right")
 
     return mapped
 
@@ -303,6 +350,11 @@ _define(finish_p, _finish_dense, _finish_abstract)
 def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
     # Linear in the cotangent for a given projector; the operands are constants.
     tangent = ad.instantiate_zeros(tangents[0])
+    if spec.source == "given_into":  # affine: the sum does not move with `ct`
+        linear = dataclasses.replace(spec, source="given")
+        return finish_p.bind(*primals, spec=spec), finish_p.bind(
+            tangent, primals[1], spec=linear
+        )
     return finish_p.bind(*primals, spec=spec), finish_p.bind(
         tangent, *primals[1:], spec=spec
     )

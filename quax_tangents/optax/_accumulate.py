@@ -89,12 +89,18 @@ def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
 # One pass over the microbatches
 
 
-def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple | None) -> Any:
+def _marked(
+    leaf: Any, plan: LeafPlan | None, mode: tuple | None, total: Any = None
+) -> Any:
     if plan is None or leaf is None:
         return leaf
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
     kind, matrix = mode[:2]  # type: ignore[index]
+    if kind == "given" and total is not None:
+        # The mark adds this microbatch's factor to the running sum in place.
+        spec = Finish("projected", matrix.shape[-1], 0, "given_into")
+        return bind_mark(spec, leaf, (matrix.astype(leaf.dtype), total))
     if kind == "given":
         width = matrix.shape[-1]
         return projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
@@ -149,15 +155,18 @@ def _pass(
         )[0]
     ]
 
-    def loss_of(params: PyTree, batch: Any) -> Any:
+    def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
-        marked = [_marked(x, p, m) for x, p, m in zip(leaves, plans, modes)]
+        marked = [
+            _marked(x, p, m, t) for x, p, m, t in zip(leaves, plans, modes, totals)
+        ]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
     value_and_grad = _ad.value_and_grad(loss_of, has_aux=has_aux)
+    none = [None] * len(plans)
 
-    def one(batch: Any) -> tuple[Array, Any, list]:
-        value, grads = value_and_grad(params, batch)
+    def one(batch: Any, totals: list = none) -> tuple[Array, Any, list]:
+        value, grads = value_and_grad(params, batch, totals)
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
         parts = [
@@ -170,13 +179,19 @@ def _pass(
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
+    # Projections with a given projector add into the sum themselves.
+    into = [
+        p is not None and p.kind == "project" and m is not None and m[0] == "given"
+        for p, m in zip(plans, modes)
+    ]
 
     def body(carry: Any, batch: Any) -> tuple[Any, Any]:
         loss_sum, sums = carry
-        loss, aux, parts = one(batch)
+        totals = [s if i else None for s, i in zip(sums, into)]
+        loss, aux, parts = one(batch, totals)
         sums = [
-            (s + x if add else None) if x is not None else None
-            for s, x, add in zip(sums, parts, summed)
+            (x if i else s + x if add else None) if x is not None else None
+            for s, x, add, i in zip(sums, parts, summed, into)
         ]
         rows = [None if add else x for x, add in zip(parts, summed)]
         return (loss_sum + loss, sums), (aux, rows)

@@ -15,6 +15,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from .._guard import guard, is_guard
+from .._inplace import as_bits, bits_dtype, from_bits
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -49,7 +50,7 @@ class _Rows(NamedTuple):
         return lax.dynamic_slice_in_dim(x, self.start(layer), self.size, axis=0)
 
     def write(self, buffer: Any, value: Any, layer: Any) -> Any:
-        value = _bits(value)
+        value = as_bits(value)
         start = self.start(layer)
         if not self.even:
             fresh = start + jnp.arange(self.size) >= layer * self.size
@@ -218,23 +219,6 @@ def _path(treedef: Any, index: int) -> tuple:
 # The loop
 
 
-def _bits(x: Any) -> Any:
-    """Bfloat16 as its uint16 bits (see `layerwise`)."""
-    if jnp.dtype(x.dtype) == jnp.bfloat16:
-        return lax.bitcast_convert_type(x, jnp.uint16)
-    return x
-
-
-def _carried_dtype(dtype: Any) -> Any:
-    return jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype
-
-
-def _unbits(x: Any, dtype: Any) -> Any:
-    if jnp.dtype(dtype) == jnp.bfloat16 and x.dtype == jnp.uint16:
-        return lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x
-
-
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
 
@@ -344,7 +328,7 @@ class _Loop:
         g = [
             a
             if r is None
-            else _unbits(r.read(sources[k], layer), a.dtype)
+            else from_bits(r.read(sources[k], layer), a.dtype)
             if k in sources
             else r.read(a, layer)
             for k, (a, r) in enumerate(zip(self.arrays, self.array_rows))
@@ -369,7 +353,7 @@ class _Loop:
         # Leaves passed whole are read as they were before the step, so that every
         # iteration computes the same new value for them.
         return [
-            old if r is None else _unbits(r.read(x, layer), old.dtype)
+            old if r is None else from_bits(r.read(x, layer), old.dtype)
             for x, old, r in zip(carried, self.state_leaves, self.state_rows)
         ]
 
@@ -439,15 +423,15 @@ class _Loop:
         self._outputs()
         pairs = self._pairs()
         initial_state = [
-            x if r is None else _bits(x)
+            x if r is None else as_bits(x)
             for x, r in zip(self.state_leaves, self.state_rows)
         ]
         initial_out = [
             None
             if p is not None
-            else _bits(self.arrays[pairs[o]])
+            else as_bits(self.arrays[pairs[o]])
             if o in pairs
-            else jnp.zeros(f.shape, f.dtype if r is None else _carried_dtype(f.dtype))
+            else jnp.zeros(f.shape, f.dtype if r is None else bits_dtype(f.dtype))
             for o, (f, r, p) in enumerate(
                 zip(self.full_out, self.out_rows, self.passthrough)
             )
@@ -473,7 +457,7 @@ class _Loop:
             0, self.layers, body, (initial_state, initial_out)
         )
         final_state = [
-            x if r is None else _unbits(x, old.dtype)
+            x if r is None else from_bits(x, old.dtype)
             for x, old, r in zip(final_state, self.state_leaves, self.state_rows)
         ]
         final_out = [
@@ -481,7 +465,7 @@ class _Loop:
             if p == "guard"
             else self.arrays[p]
             if p is not None
-            else (x if r is None else _unbits(x, f.dtype))
+            else (x if r is None else from_bits(x, f.dtype))
             for x, f, r, p in zip(
                 final_out, self.full_out, self.out_rows, self.passthrough
             )
