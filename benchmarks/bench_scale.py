@@ -97,30 +97,9 @@ GIB = 2**30
 
 
 # ---------------------------------------------------------------------------------------
-# The optimisers: one transformation for a layer's slice of the blocks (run layer by
-# layer), one for the embedding, the final norm and the head.
-
-
-def transformations(config: LlamaConfig, arm: str):
-    """`(per_layer, top)`: the transformation of one layer's block parameters and that
-    of the embedding, the final norm and the head."""
-    adam = optax.adam(LEARNING_RATE)
-    if arm == "adam":
-        return adam, adam
-    if arm == "adam-8bit":
-        return qto.quantized_state(adam), qto.quantized_state(adam)
-    if arm == "galore":
-        galore = optax.contrib.galore(
-            LEARNING_RATE,
-            rank=config.rank,
-            update_proj_gap=REFRESH_EVERY,
-            scale=GALORE_SCALE,
-        )
-        return galore, adam
-    raise ValueError(
-        f"Unknown arm {arm!r} for the per-layer transformations; "
-        f"`projected_transformation` makes the projected arms."
-    )
+# The optimisers. Every arm is one transformation of the whole parameter tree, as a
+# user writes it; `qto.layerwise` runs the 8-bit arms' updates one layer's slice (and
+# one slice of the embedding's and the head's rows) at a time.
 
 
 def _block_matrices(params: dict) -> dict:
@@ -131,11 +110,53 @@ def _block_matrices(params: dict) -> dict:
     }
 
 
-def projected_transformation(config: LlamaConfig, arm: str):
-    """The projected arms' one transformation of the whole parameter tree, as a user
-    writes it: `qto.projected` on the stacked block matrices (each layer's slice
-    with its own projector), Adam on the other leaves, and for `projected-8bit`
-    `qto.quantized_state` around it."""
+def _top(tree: dict) -> dict:
+    return {k: v for k, v in tree.items() if k != "blocks"}
+
+
+def _per_layer(tx):
+    """`tx` on each layer's slice of the stacked leaves in turn, in a `lax.scan`:
+    its state is initialised per layer and stacked (`jax.vmap`). For
+    `optax.contrib.galore`, which decides with `lax.cond` whether to take an SVD, a
+    decision that `vmap` would turn into an SVD of every layer at every step, and
+    which takes matrices (`qto.layerwise` gives it `(1, m, n)` slices)."""
+
+    def update(updates, state, params=None):
+        def body(_, layer):
+            return None, tx.update(*layer)
+
+        _, (updates, state) = jax.lax.scan(body, None, (updates, state, params))
+        return updates, state
+
+    return optax.GradientTransformation(jax.vmap(tx.init), update)
+
+
+def _galore(config: LlamaConfig):
+    """`optax.contrib.galore` on the block matrices, layer by layer, and
+    `optax.adam` on the other leaves."""
+    galore = optax.contrib.galore(
+        LEARNING_RATE,
+        rank=config.rank,
+        update_proj_gap=REFRESH_EVERY,
+        scale=GALORE_SCALE,
+    )
+    return optax.partition(
+        {"galore": _per_layer(galore), "adam": optax.adam(LEARNING_RATE)},
+        lambda params: jax.tree.map(
+            lambda flag: "galore" if flag else "adam", _block_matrices(params)
+        ),
+    )
+
+
+def transformation(config: LlamaConfig, arm: str):
+    """The arm's transformation of the whole parameter tree."""
+    adam = optax.adam(LEARNING_RATE)
+    if arm == "adam":
+        return adam
+    if arm == "adam-8bit":
+        return qto.layerwise(qto.quantized_state(adam), layers=config.layers)
+    if arm == "galore":
+        return _galore(config)
     tx = qto.projected(
         optax.scale_by_adam(),
         rank=config.rank,
@@ -149,205 +170,8 @@ def projected_transformation(config: LlamaConfig, arm: str):
     return qto.layerwise(tx, layers=config.layers)
 
 
-def _top(tree: dict) -> dict:
-    return {k: v for k, v in tree.items() if k != "blocks"}
-
-
-# With 8-bit state the embedding and the head are updated in row chunks, as the
-# blocks are in layers (`loop_update`).
-TABLE_CHUNKS = 16
-
-
-def _tables(tree: dict) -> dict:
-    """The embedding and the head viewed as `TABLE_CHUNKS` row chunks (a reshape)."""
-    return {
-        name: tree[name].reshape(TABLE_CHUNKS, -1, tree[name].shape[-1])
-        for name in ("embed", "head")
-    }
-
-
-def init_state(config: LlamaConfig, arm: str, params: dict) -> dict:
-    """Block states are the per-layer transformation's, initialised per layer and
-    stacked (`jax.vmap`); the projected arms' is their transformation's own."""
-    if arm.startswith("projected"):
-        return projected_transformation(config, arm).init(params)
-    per_layer, top = transformations(config, arm)
-    blocks = jax.vmap(per_layer.init)(params["blocks"])
-    if arm.endswith("8bit"):
-        top_state = {
-            "tables": jax.vmap(top.init)(_tables(params)),
-            "final_norm": optax.adam(LEARNING_RATE).init(params["final_norm"]),
-        }
-    else:
-        top_state = top.init(_top(params))
-    return {"blocks": blocks, "top": top_state}
-
-
-def update_top(arm: str, tx, grads, state, params):
-    """The embedding, final norm and head: whole, or (8-bit state) the tables in row
-    chunks and the norm with `optax.adam`."""
-    top = _top(params)
-    if not arm.endswith("8bit"):
-        updates, state = tx.update(_top(grads), state, top)
-        return optax.apply_updates(top, updates), state
-    updates, tables = loop_update(tx, _tables(grads), state["tables"])
-    new = {
-        name: (params[name] + updates[name].reshape(params[name].shape)).astype(
-            params[name].dtype
-        )
-        for name in ("embed", "head")
-    }
-    norm_tx = optax.adam(LEARNING_RATE)
-    norm_updates, norm_state = norm_tx.update(
-        grads["final_norm"], state["final_norm"], params["final_norm"]
-    )
-    new["final_norm"] = optax.apply_updates(params["final_norm"], norm_updates)
-    return new, {"tables": tables, "final_norm": norm_state}
-
-
-def update_blocks(arm: str, tx, grads, state, params):
-    """The per-layer transformation on every layer of the stacked blocks.
-
-    `jax.vmap` over the layer axis: every layer at once, as one elementwise pass (no
-    loop writing layer slices into the stacked weights: XLA on CPU cannot update
-    bfloat16 slices in place inside a loop, and would hold a copy of every stacked
-    weight). GaLore is the exception: it decides with `lax.cond` whether to take an
-    SVD, which `vmap` would turn into an SVD of every layer at every step, so it runs
-    layer by layer in a `lax.scan` (its dense updates come out stacked).
-    """
-    if arm.endswith("8bit"):
-        return loop_update(tx, grads, state)
-    if arm == "galore":
-
-        def body(_, layer):
-            g, s, p = layer
-            return None, tx.update(g, s, p)
-
-        _, (updates, state) = jax.lax.scan(body, None, (grads, state, params))
-        return updates, state
-    return jax.vmap(tx.update)(grads, state, params)
-
-
-def _index(tree: Any, layer: Any) -> Any:
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), tree
-    )
-
-
-def _store(tree: Any, values: Any, layer: Any) -> Any:
-    return jax.tree.map(
-        lambda a, v: jax.lax.dynamic_update_index_in_dim(
-            a, v.astype(a.dtype), layer, 0
-        ),
-        tree,
-        values,
-    )
-
-
-def _bits(x):
-    """bfloat16 as its uint16 bits: XLA on CPU writes uint16 slices into a stacked
-    array in place inside a loop, where it copies a bfloat16 array whole (it computes
-    bfloat16 slicing in float32). A bitcast costs nothing on any backend."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
-
-
-def _unbits(x, dtype):
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
-
-
-def _strip_projectors(state):
-    """`state` with the projectors of its `ProjectedState`s set to `None`: the new
-    projectors are the gradients' (see `projected_gradients`), set outside the loop."""
-    return jax.tree.map(
-        lambda x: (
-            x._replace(projector=None) if isinstance(x, qto.ProjectedState) else x
-        ),
-        state,
-        is_leaf=lambda x: isinstance(x, qto.ProjectedState),
-    )
-
-
-def _with_projectors(state, projectors):
-    return jax.tree.map(
-        lambda x: (
-            x._replace(projector=projectors) if isinstance(x, qto.ProjectedState) else x
-        ),
-        state,
-        is_leaf=lambda x: isinstance(x, qto.ProjectedState),
-    )
-
-
-def _projector_of(grad):
-    """The projector factor of a projected gradient (the same array the loss used)."""
-    if not isinstance(grad, qt.LowRank):
-        return None
-    return grad.left if grad.left.shape[-2] <= grad.right.shape[-2] else grad.right
-
-
-def _small_factor(update):
-    if not isinstance(update, qt.LowRank):
-        return update
-    return (
-        update.right if update.left.shape[-2] <= update.right.shape[-2] else update.left
-    )
-
-
-def loop_update(tx, grads, state):
-    """The per-layer transformation `tx` (one with 8-bit state) on each slice of the
-    leading axis in turn, in a `fori_loop` that carries the 8-bit state and writes it
-    in place, so that the decoded state and the optimiser's intermediates are one
-    slice's size.
-
-    The loop writes only codes, scales, counts and the updates' bits (`_bits`). The
-    updates of projected leaves are written as their small factor only, and the
-    projectors (the gradients' own) are put back afterwards.
-    """
-    is_low_rank = lambda x: isinstance(x, qt.LowRank)  # noqa: E731
-    projectors = jax.tree.map(_projector_of, grads, is_leaf=is_low_rank)
-    carried = _strip_projectors(state)
-    count = jax.tree.leaves(grads)[0].shape[0]
-
-    def one(layer, carried):
-        g = _index(grads, layer)
-        p = jax.tree.map(lambda x: None if x is None else x, _index(projectors, layer))
-        s = _with_projectors(_index(carried, layer), p)
-        updates, s = tx.update(g, s)
-        small = jax.tree.map(_small_factor, updates, is_leaf=is_low_rank)
-        return _strip_projectors(s), small
-
-    out_shapes = jax.eval_shape(one, 0, carried)[1]
-    buffers = jax.tree.map(
-        lambda x: jnp.zeros((count, *x.shape), _bits(jnp.zeros((), x.dtype)).dtype),
-        out_shapes,
-    )
-
-    def body(layer, loop_carry):
-        carried, buffers = loop_carry
-        s, small = one(layer, carried)
-        carried = _store(carried, s, layer)
-        buffers = _store(buffers, jax.tree.map(_bits, small), layer)
-        return carried, buffers
-
-    carried, buffers = jax.lax.fori_loop(0, count, body, (carried, buffers))
-    small = jax.tree.map(lambda b, x: _unbits(b, x.dtype), buffers, out_shapes)
-
-    def rebuild(grad, factor):
-        if not isinstance(grad, qt.LowRank):
-            return factor
-        projector = _projector_of(grad)
-        if grad.left is projector:
-            return qt.LowRank(projector, factor)
-        return qt.LowRank(factor, projector)
-
-    updates = jax.tree.map(rebuild, grads, small, is_leaf=is_low_rank)
-    new_state = _with_projectors(
-        carried, jax.tree.map(lambda x: x, projectors, is_leaf=lambda x: x is None)
-    )
-    return updates, new_state
-
-
-def apply_block_updates(params, updates):
-    return qto.apply_updates(params, updates)
+def init_state(config: LlamaConfig, arm: str, params: dict):
+    return transformation(config, arm).init(params)
 
 
 # ---------------------------------------------------------------------------------------
@@ -376,33 +200,20 @@ def dense_gradients(config: LlamaConfig, params: dict, tokens):
 
 
 def make_step(config: LlamaConfig, arm: str):
-    if arm.startswith("projected"):
-        return make_projected_step(config, arm)
-    per_layer, top_tx = transformations(config, arm)
-
-    def step(params, state, tokens):
-        value, grads = dense_gradients(config, params, tokens)
-        updates, block_state = update_blocks(
-            arm, per_layer, grads["blocks"], state["blocks"], params["blocks"]
-        )
-        blocks = apply_block_updates(params["blocks"], updates)
-        top, top_state = update_top(arm, top_tx, grads, state["top"], params)
-        new_params = {**top, "blocks": blocks}
-        return new_params, {"blocks": block_state, "top": top_state}, value
-
-    return step
-
-
-def make_projected_step(config: LlamaConfig, arm: str):
-    """The library's own path: `qto.accumulate_gradients` marks the stacked block
-    matrices (`qto.mark`, before the model's scan over layers) and averages the
-    microbatches' small factors; `qto.projected` updates the stacked leaves;
-    `qto.apply_updates` adds the `LowRank` updates into the donated weights."""
-    tx = projected_transformation(config, arm)
+    """The step: the mean gradient over the microbatches, the update, the new
+    parameters. The projected arms take the library's own path:
+    `qto.accumulate_gradients` marks the stacked block matrices (`qto.mark`,
+    before the model's scan over layers) and adds the microbatches' small factors
+    up in place; `qto.apply_updates` adds the `LowRank` updates into the donated
+    weights."""
+    tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config)
 
     def step(params, state, tokens):
-        value, grads = qto.accumulate_gradients(loss_fn, params, state, tokens)
+        if arm.startswith("projected"):
+            value, grads = qto.accumulate_gradients(loss_fn, params, state, tokens)
+        else:
+            value, grads = dense_gradients(config, params, tokens)
         updates, state = tx.update(grads, state, params)
         return qto.apply_updates(params, updates), state, value
 
@@ -597,7 +408,7 @@ def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
     donated) and `update_apply` (`update` then `qto.apply_updates`, state and
     parameters donated). It attributes the step's total to its parts."""
     params, state, tokens = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
-    tx = projected_transformation(config, arm)
+    tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config)
 
     def gradients(params, state, tokens):
