@@ -1,0 +1,151 @@
+"""`quax_tangents.optax.layerwise`: the same updates and state as the transformation
+it wraps, computed one slice of the stacked leaves at a time, with one slice's
+intermediates only."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import quax_tangents as qt
+import quax_tangents.optax as qto
+from tests.helpers import assert_close, random_array, seeds
+
+
+def _params(seed: int, layers: int, extra_rows: int) -> dict:
+    """A stacked model's leaves, a table whose rows `layers` may not divide, and a
+    scalar."""
+    return {
+        "w": random_array(seed, (layers, 4, 6)),
+        "norm": random_array(seed + 1, (layers, 4)),
+        "table": random_array(seed + 2, (layers + extra_rows, 5)),
+        "scale": jnp.asarray(0.5),
+    }
+
+
+def _transformations(layers: int) -> dict:
+    small = dict(block_size=4, stochastic=False)
+    return {
+        "adam": optax.adam(0.1),
+        "8-bit adam": qto.quantized_state(optax.adam(0.1), **small),
+        "projected": qto.projected(
+            optax.scale_by_adam(), rank=2, learning_rate=0.1, refresh_every=2
+        ),
+        "8-bit projected": qto.quantized_state(
+            qto.projected(optax.scale_by_adam(), rank=2, learning_rate=0.1), **small
+        ),
+    }
+
+
+def _compare(tx, layers: int, params: dict, grads: list) -> None:
+    """Two steps of `layerwise(tx)` equal two steps of `tx`."""
+    wrapped = qto.layerwise(tx, layers=layers)
+    state = expected_state = tx.init(params)
+    update, reference = jax.jit(wrapped.update), jax.jit(tx.update)
+    for g in grads:
+        expected, expected_state = reference(g, expected_state, params)
+        updates, state = update(g, state, params)
+        jax.tree.map(assert_close, updates, expected, is_leaf=qto_leaf)
+        jax.tree.map(assert_close, state, expected_state)
+
+
+def qto_leaf(x) -> bool:
+    return isinstance(x, qt.LowRank)
+
+
+# Each example compiles two steps; a few cover the cuts (even, uneven, one layer).
+@pytest.mark.parametrize("name", list(_transformations(1)))
+@settings(max_examples=2, deadline=None)
+@given(seed=seeds(), layers=st.integers(1, 3), extra_rows=st.integers(0, 2))
+def test_layerwise_equals_the_transformation_it_wraps(name, seed, layers, extra_rows):
+    params = _params(seed, layers, extra_rows)
+    grads = [
+        jax.tree.map(lambda x, k=k: random_array(seed + 10 + k, x.shape), params)
+        for k in range(2)
+    ]
+    _compare(_transformations(layers)[name], layers, params, grads)
+
+
+def _scanned_loss(params, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, params["w"])
+    return jnp.sum(h**2) + jnp.sum(params["table"] ** 2)
+
+
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_projected_gradients_of_a_scanned_model(eight_bit):
+    layers = 3
+    params = {
+        "w": random_array(0, (layers, 6, 6)) / 2,
+        "table": random_array(1, (7, 6)),
+    }
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=2,
+        learning_rate=0.1,
+        project={"w": True, "table": False},
+    )
+    if eight_bit:
+        tx = qto.quantized_state(tx, block_size=4, stochastic=False)
+    state = tx.init(params)
+    x = random_array(2, (5, 6))
+    with qt.fallback("error"):
+        grads = qt.grad(
+            lambda p: _scanned_loss(qto.mark(p, state, key=jax.random.key(3)), x)
+        )(params)
+    assert isinstance(grads["w"], qt.LowRank) and grads["w"].batch_ndim == 1
+    _compare(tx, layers, params, [grads])
+
+
+def test_a_projected_matrix_without_layer_axis_goes_whole():
+    # Its rows are not independent: cutting them would project each slice alone.
+    params = {"w": random_array(0, (6, 8)), "v": random_array(1, (3, 4, 4))}
+    grads = jax.tree.map(lambda x: random_array(2, x.shape), params)
+    tx = qto.projected(optax.scale_by_adam(), rank=2, learning_rate=0.1)
+    _compare(tx, 3, params, [grads])
+    with pytest.raises(ValueError, match=r"\['w'\].*projects it as one matrix"):
+        qto.layerwise(tx, layers=3, split={"w": True, "v": True}).update(
+            grads, tx.init(params), params
+        )
+
+
+def test_split_naming_a_leaf_with_too_few_rows_raises():
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((2,))}
+    tx = qto.layerwise(optax.adam(0.1), layers=4, split={"w": True, "b": True})
+    with pytest.raises(ValueError, match=r"\['b'\].*fewer than layers=4 rows"):
+        tx.update(params, tx.init(params), params)
+
+
+def test_layers_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="layers"):
+        qto.layerwise(optax.adam(0.1), layers=0)
+    with pytest.raises(TypeError, match="tx"):
+        qto.layerwise(lambda x: x, layers=2)
+
+
+def _f32_buffers(text: str, shape: tuple) -> int:
+    dims = ",".join(str(d) for d in shape)
+    return len(re.findall(rf"f32\[{dims}\]", text))
+
+
+def test_the_8_bit_state_is_decoded_one_layer_at_a_time():
+    # Without `layerwise`, the update decodes every layer's moments to float32 at
+    # once: the compiled update holds float32 arrays of the stacked shape.
+    layers, shape = 4, (4, 64, 256)
+    params = {"w": jnp.zeros(shape, jnp.bfloat16)}
+    tx = qto.quantized_state(optax.adam(0.1))
+    state = jax.eval_shape(tx.init, params)
+
+    def hlo(transformation) -> str:
+        lowered = jax.jit(transformation.update, donate_argnums=1).lower(
+            params, state, params
+        )
+        return lowered.compile().as_text()
+
+    assert _f32_buffers(hlo(tx), shape) > 0
+    assert _f32_buffers(hlo(qto.layerwise(tx, layers=layers)), shape) == 0
