@@ -301,16 +301,18 @@ def _gradient_bytes(config, arm, params, state, tokens) -> int:
 
 
 def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
-    """Shards the largest axis divisible by `devices`, never a stacked layer axis
-    (the first of three or more)."""
+    """Shards the largest axis divisible by `devices` other than the first (a
+    stacked layer axis, or the rows that `qto.layerwise` slices: slicing a sharded
+    axis would gather the whole array on every device), the first only when no
+    other axis divides."""
     candidates = [
-        (size, axis)
+        (axis > 0, size, axis)
         for axis, size in enumerate(shape)
         if size % devices == 0 and not (axis == 0 and len(shape) >= 3)
     ]
     if not candidates:
         return P()
-    _, axis = max(candidates)
+    _, _, axis = max(candidates)
     return P(*([None] * axis + ["data"]))
 
 
