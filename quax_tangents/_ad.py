@@ -31,6 +31,7 @@ from ._arguments import (
     returning_pair,
 )
 from ._differentiable import merge_structures, split_structures, through_views
+from ._matrix_view import unwrap_stored_views
 from ._primitives import compress_p, outer_p
 
 
@@ -249,9 +250,11 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
     return out, _apply_linear(linear, "tangents")
 
 
-def _apply_linear(linear: Callable, what: str) -> Callable:
+def _apply_linear(
+    linear: Callable, what: str, finish: Callable[[PyTree], PyTree] = lambda x: x
+) -> Callable:
     def apply(*args: PyTree) -> PyTree:
-        return _enter_trace(linear)(*args)
+        return finish(_enter_trace(linear)(*args))
 
     apply.__doc__ = f"Applies the linear map to {what}, which may be compressed."
     return apply
@@ -283,7 +286,7 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
         return jax.vjp(_cotangents.inner_layer(fn), *primals, has_aux=has_aux)
 
     result = _cotangents.traced_with_marks(lambda: _enter_trace(run)(fn, *primals))
-    pullback = _apply_linear(result[1], "cotangents")
+    pullback = _apply_linear(result[1], "cotangents", unwrap_stored_views)
     return (result[0], pullback, *result[2:])
 
 
@@ -342,7 +345,10 @@ def _value_and_grad(
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
 
-        return _cotangents.traced_with_marks(lambda: _enter_trace(run)(pytree_fn, args))
+        value, grads = _cotangents.traced_with_marks(
+            lambda: _enter_trace(run)(pytree_fn, args)
+        )
+        return value, unwrap_stored_views(grads)
 
     return value_and_grad_fn
 

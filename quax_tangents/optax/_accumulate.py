@@ -36,7 +36,7 @@ from .._types.rows import SparseRows
 from .._unchecked import unchecked
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
-from ._mark import leaf_keys, plan_leaves
+from ._mark import in_matrix_view, leaf_keys, plan_leaves
 from ._projected import find_state
 
 
@@ -95,9 +95,12 @@ def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple[str, Any] | None) -> A
     kind, matrix = mode  # type: ignore[misc]
     if kind == "given":
         width = matrix.shape[-1]
-        return projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
+        given = matrix.astype(leaf.dtype)
+        return in_matrix_view(
+            leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
+        )
     spec = Finish("projected", matrix.shape[-1], 0, "sketch")
-    return bind_mark(spec, leaf, (matrix,))
+    return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, (matrix,)))
 
 
 def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any:

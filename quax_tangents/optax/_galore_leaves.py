@@ -51,6 +51,12 @@ class LeafPlan(eqx.Module):
         return (*self.batch, self.m, self.n)
 
     @property
+    def is_view(self) -> bool:
+        """Whether the matrices are not the leaf's own last two dims (`dims=`): its
+        marks go on the matrix view, and its gradient comes back in it."""
+        return self.batch_ndim != len(self.shape) - 2 or self.row_ndim != 1
+
+    @property
     def side(self) -> str:
         """The factor of the gradient that holds the projector: `"left"` (`m <= n`,
         the rows are projected) or `"right"`."""

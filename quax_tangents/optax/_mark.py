@@ -1,6 +1,7 @@
 """`mark`: the parameters with the cotangent marks that a `projected` state calls for,
 applied inside the loss."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -8,7 +9,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
-from .._fallback import record_densification
+from .._matrix_view import to_matrix
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
 
@@ -49,20 +50,26 @@ def _mark_leaf(
         return leaf
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
-    if plan.row_ndim != 1 or plan.batch_ndim != len(plan.shape) - 2:
-        # `projected_cotangent` marks (stacks of) matrices in the parameter's own
-        # dims: this leaf's gradient stays dense, and `projected` projects it after
-        # the fact. Counted, so that `fallback("error")` says so.
-        record_densification(
-            "quax_tangents.optax.mark",
-            ("dims",),
-            f"a leaf of shape {list(plan.shape)} viewed with `dims=("
-            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked",
-        )
-        return leaf
-    return projected_cotangent(
-        leaf, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+    return in_matrix_view(
+        leaf,
+        plan,
+        lambda w: projected_cotangent(
+            w, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+        ),
     )
+
+
+def in_matrix_view(leaf: Any, plan: LeafPlan, mark_matrix: Callable) -> Any:
+    """`mark_matrix(leaf)`, or for a leaf that `dims=` views as other matrices than
+    its last two dims, `mark_matrix` of its matrix view `(*batch, m, n)`, reshaped
+    back to the stored shape: the reshape keeps the mark, so products with the
+    stored weight (`einsum("btd,dhk->bthk", x, w)`) give the factors of the
+    matrix's gradient, and the gradient comes back as a `LowRank` of the matrix
+    view (see `quax_tangents._matrix_view`)."""
+    if not plan.is_view:
+        return mark_matrix(leaf)
+    matrix = mark_matrix(to_matrix(leaf, plan.matrix_shape))
+    return matrix.reshape(plan.shape)
 
 
 def mark(
