@@ -12,7 +12,14 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_array
+from tests.helpers.matrix_view import (
+    D,
+    DIMS,
+    attention_loss,
+    attention_params,
+    matrix_view,
+)
 
 
 RANK = 2
@@ -242,5 +249,40 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
         for name in params:
             assert grads[name].batch_ndim == 1
             assert_close(grads[name], expected[name], factor=5)
+        updates, state = tx.update(grads, state)
+        params = qto.apply_updates(params, updates)
+
+
+# ---------------------------------------------------------------------------------------
+# Weights stored with more dims than their matrix (`dims=`)
+
+
+def test_viewed_leaves_accumulate_to_the_full_batch_projected_gradient():
+    params = attention_params()
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2, dims=DIMS
+    )
+    state = tx.init(params)
+    key = jax.random.key(2)
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(attention_loss, p, s, mb, key=key)
+    )
+    full_batch = jax.jit(
+        lambda p, s, b: qt.value_and_grad(
+            lambda p: attention_loss(qto.mark(p, s, key=key, iters=0), b)
+        )(p)
+    )
+    for t in range(2):  # refresh, keep
+        microbatches = random_array(10 + t, (2, 2, 4, D))
+        with qt.fallback("error"):
+            loss, grads = accumulated(params, state, microbatches)
+            expected_loss, expected = full_batch(params, state, _full(microbatches))
+        assert_close(loss, expected_loss)
+        for name, dims in DIMS.items():
+            g, e = grads[name], expected[name]
+            assert isinstance(g, qt.LowRank) and g.batch_ndim == 1
+            assert g.shape == matrix_view(params[name], dims).shape
+            assert g.projector_side == e.projector_side
+            assert_close(g, e, factor=5)
         updates, state = tx.update(grads, state)
         params = qto.apply_updates(params, updates)
