@@ -83,6 +83,14 @@ def _matrix_view_abstract(
 define_batched(matrix_view_p, _matrix_view_dense, _matrix_view_abstract)
 
 
+def _matrix_view_transpose(ct: Any, x: Any, *, stored: tuple, batch_ndim: int):
+    # A reshape: its transpose reshapes back (forward-over-reverse differentiation).
+    return [jnp.reshape(ct, x.aval.shape)]
+
+
+ad.deflinear2(matrix_view_p, _matrix_view_transpose)
+
+
 @rule(matrix_view_p)
 def _matrix_view(ct: LowRank, *, stored: tuple[int, ...], batch_ndim: int) -> Any:
     if batch_ndim:  # vmapped over the mark: no compressed form, counted
