@@ -266,7 +266,9 @@ def _apply_linear(
 
 def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
     """Like `jax.vjp`; the pullback accepts compressed cotangents and returns the
-    cotangents that `compress_cotangent` marked as compressed values.
+    cotangents that `compress_cotangent` marked as compressed values (and, for a
+    weight marked through its matrix view by `quax_tangents.optax.mark`, the
+    `LowRank` of that view, `(*batch, m, n)`, not of the weight's shape).
 
     **Arguments:**
 
@@ -304,7 +306,9 @@ def value_and_grad(
 
     **Returns:**
 
-    A function returning `(value, grads)` or `((value, aux), grads)`.
+    A function returning `(value, grads)` or `((value, aux), grads)`, the gradients
+    as `grad` returns them (the gradient of a weight marked through its matrix view
+    is the `LowRank` of that view).
     """
     return _value_and_grad(fn, argnums, has_aux, "value_and_grad")
 
@@ -382,7 +386,10 @@ def grad(
 
     A function taking the arguments of `fn` and returning the gradients: for an
     `int` `argnums`, the gradient of that argument, of its structure (a `Tangent`
-    for a `@differentiable` class); for a sequence, a tuple with one per entry. With
+    for a `@differentiable` class); for a sequence, a tuple with one per entry. Each
+    leaf has its argument's shape, except the gradient of a weight that
+    `quax_tangents.optax.mark` marked through its matrix view (`projected(dims=...)`):
+    the `LowRank` of that view, `(*batch, m, n)`. With
     `has_aux=True` it returns `(gradients, aux)`. An output that is not a real scalar
     is a `TypeError` that points to `vjp`.
     """

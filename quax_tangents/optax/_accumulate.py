@@ -251,6 +251,10 @@ def accumulate_gradients(
     key=key, iters=iters)` on the whole batch) up to float rounding. A refresh step
     costs `2 + 2 * iters` passes over the microbatches, other steps one.
 
+    A leaf that `dims=` views as other matrices than its last two dims is marked
+    through its matrix view, as [`quax_tangents.optax.mark`][] marks it: its
+    gradient is the `LowRank` of the matrix view `(*batch, m, n)`.
+
     Leaves chosen with `rows=` are marked with `sparse_rows_cotangent`; their
     gradient holds the rows of every microbatch. Other leaves are averaged densely.
 

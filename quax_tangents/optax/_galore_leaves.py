@@ -24,8 +24,8 @@ DimsSpec = Callable[[Any], Dims | None] | PyTree | None
 class LeafPlan(eqx.Module):
     """What `projected` does with one leaf: `kind` is `"project"` (the leaf of
     `shape` is the stack `(*batch, m, n)` of matrices, its first `batch_ndim` dims
-    the stack, the next `row_ndim` dims the rows `m` and the rest the columns `n`)
-    or `"rows"` (a table whose gradient holds the rows read). Static: it has no
+    the stack, the next `row_ndim` dims the rows `m` and the rest the columns `n`;
+    marked, such a leaf's gradient is a `LowRank` of that matrix view) or `"rows"` (a table whose gradient holds the rows read). Static: it has no
     array leaves, so it rides in the state's tree structure."""
 
     kind: Literal["project", "rows"] = eqx.field(static=True)

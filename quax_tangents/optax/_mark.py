@@ -84,9 +84,19 @@ def mark(
     projected leaf (stacked or not) `quax_tangents.projected_cotangent` with the
     state's [`quax_tangents.Projector`][] (a fresh projector on refresh steps), and
     on each leaf chosen with `rows=` `quax_tangents.sparse_rows_cotangent`. The other
-    leaves are returned as they are, and so is a leaf that `dims=` views as other
-    matrices than its own last two dims (its dense gradient is projected after the
-    fact; counted as a densification, see `quax_tangents.fallback`).
+    leaves are returned as they are.
+
+    A leaf that `dims=` views as other matrices than its own last two dims (an
+    attention weight stored as `(d, heads, head_dim)`, viewed as `(d, heads *
+    head_dim)`) is marked through its matrix view `(*batch, m, n)`, and returned
+    reshaped to its stored shape (a reshape that keeps the mark): an `einsum` that
+    contracts exactly its row dims or exactly its column dims gives the factors of
+    the matrix's gradient, and its gradient comes back from `quax_tangents.grad`
+    (or `value_and_grad`, `vjp`) as the `LowRank` of the matrix view, *not* of the
+    parameter's shape (JAX requires a cotangent of the parameter's shape, and a
+    `LowRank` is `(..., m, n)`). `projected` takes it, and
+    [`quax_tangents.optax.apply_updates`][] reshapes its updates. Under plain
+    `jax.grad` it is the same projection, dense, in the stored shape.
 
     Call it *inside* the function that `quax_tangents.grad` or `value_and_grad`
     differentiates, on that function's parameters:

@@ -14,8 +14,8 @@ import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array
 from tests.helpers.matrix_view import (
-    D,
     DIMS,
+    D,
     attention_loss,
     attention_params,
     matrix_view,

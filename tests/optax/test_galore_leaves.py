@@ -12,7 +12,7 @@ import pytest
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array
-from tests.helpers.matrix_view import D, DIMS, attention_loss, attention_params
+from tests.helpers.matrix_view import DIMS, D, attention_loss, attention_params
 
 
 RANK = 2
