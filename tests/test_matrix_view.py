@@ -106,3 +106,21 @@ def test_a_jitted_loss_and_forward_over_reverse():
 def test_a_weight_with_no_such_matrix_view_is_refused():
     with pytest.raises(ValueError, match="no matrix view"):
         to_matrix(jnp.zeros((6, 2, 3)), (6, 5))
+
+
+def test_another_use_of_the_stored_weight_is_counted_and_dense():
+    # Weight decay on the stored weight, outside the mark: its dense cotangent is
+    # added to the view's, in the stored shape.
+    w, x = random_array(0, (6, 2, 3)), random_array(1, (4, 6))
+    projector = orthonormal(2, (6, R))
+    marked = _marked_loss((6, 6), projector)
+
+    def loss(w):
+        return marked(w, x, "td,dhk->thk") + jnp.sum(w**2)
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError):
+        qt.grad(loss)(w)
+    with pytest.warns(qt.DensificationWarning):
+        grad = qt.grad(loss)(w)
+    assert isinstance(grad, jax.Array) and grad.shape == w.shape
+    assert_close(grad, jax.grad(loss)(w))
