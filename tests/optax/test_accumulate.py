@@ -20,6 +20,7 @@ from tests.helpers.matrix_view import (
     attention_params,
     matrix_view,
 )
+from tests.helpers.stacked import weight_buffers
 
 
 RANK = 2
@@ -286,3 +287,38 @@ def test_viewed_leaves_accumulate_to_the_full_batch_projected_gradient():
             assert_close(g, e, factor=5)
         updates, state = tx.update(grads, state)
         params = qto.apply_updates(params, updates)
+
+
+def test_viewed_leaves_accumulate_with_no_weight_shaped_buffer():
+    params = attention_params(layers=3, d=24, heads=4, head_dim=5)
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims=DIMS).init(params)
+    microbatches = random_array(3, (2, 2, 3, 24))
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(attention_loss, p, s, mb)
+    )
+
+    # One pass over the microbatches taking the gradient of the inputs alone: it
+    # reads the weights in the backward pass (transposed, per layer) as every pass
+    # does, but forms no weight gradient.
+    def inputs_only(p, mb):
+        return jax.lax.map(jax.grad(lambda b: attention_loss(p, b)), mb)
+
+    passes = 3  # the step compiles both branches: refresh (2 passes), keep (1)
+    shapes = [
+        f"f32[{layers}{s}]"
+        for layers in ("3,", "")
+        for s in ("24,4,5", "4,5,24", "24,20", "20,24")
+    ]
+    with qt.fallback("error"):
+        ours = [
+            len(weight_buffers(accumulated, (params, state, microbatches), s))
+            for s in shapes
+        ]
+    reads = [
+        len(weight_buffers(jax.jit(inputs_only), (params, microbatches), s))
+        for s in shapes
+    ]
+    # A leafwise dense accumulator holds stacked `(3, 24, 4, 5)` gradients, which
+    # no pass reads (8 such buffers for each weight, measured): those must be 0.
+    assert all(o <= passes * r for o, r in zip(ours, reads)), (ours, reads)
+    assert ours[:4] == [0, 0, 0, 0]
