@@ -74,10 +74,17 @@ def _matrix_view_dense(ct: Array, *, stored: tuple[int, ...], batch_ndim: int) -
     return jnp.reshape(ct, _stored_shape(ct, stored, batch_ndim))
 
 
-def _matrix_view_abstract(
-    ct: Any, *, stored: tuple[int, ...], batch_ndim: int
-) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray(_stored_shape(ct, stored, batch_ndim), ct.dtype)
+def reshaped_type(aval: Any, shape: tuple[int, ...]) -> Any:
+    """The type of `aval` reshaped to `shape`, as `lax.reshape` gives it: with its
+    sharding and varying mesh axes (which `shard_map`'s `check_vma` reads)."""
+    out, _ = jax.lax.reshape_p.abstract_eval(
+        aval, new_sizes=tuple(shape), dimensions=None, sharding=None
+    )
+    return out
+
+
+def _matrix_view_abstract(ct: Any, *, stored: tuple[int, ...], batch_ndim: int) -> Any:
+    return reshaped_type(ct, _stored_shape(ct, stored, batch_ndim))
 
 
 define_batched(matrix_view_p, _matrix_view_dense, _matrix_view_abstract)
@@ -128,9 +135,7 @@ def _to_matrix_plain(w: Array, *, stored: tuple, matrix: tuple) -> Array:
 
 
 to_matrix_p.def_impl(_to_matrix_plain)
-to_matrix_p.def_abstract_eval(
-    lambda w, *, stored, matrix: jax.core.ShapedArray(matrix, w.dtype)
-)
+to_matrix_p.def_abstract_eval(lambda w, *, stored, matrix: reshaped_type(w, matrix))
 mlir.register_lowering(
     to_matrix_p, mlir.lower_fun(_to_matrix_plain, multiple_results=False)
 )
