@@ -31,6 +31,7 @@ from ._arguments import (
     returning_pair,
 )
 from ._differentiable import merge_structures, split_structures, through_views
+from ._matrix_view import unwrap_stored_views
 from ._primitives import compress_p, outer_p
 
 
@@ -249,9 +250,11 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
     return out, _apply_linear(linear, "tangents")
 
 
-def _apply_linear(linear: Callable, what: str) -> Callable:
+def _apply_linear(
+    linear: Callable, what: str, finish: Callable[[PyTree], PyTree] = lambda x: x
+) -> Callable:
     def apply(*args: PyTree) -> PyTree:
-        return _enter_trace(linear)(*args)
+        return finish(_enter_trace(linear)(*args))
 
     apply.__doc__ = f"Applies the linear map to {what}, which may be compressed."
     return apply
@@ -263,7 +266,9 @@ def _apply_linear(linear: Callable, what: str) -> Callable:
 
 def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
     """Like `jax.vjp`; the pullback accepts compressed cotangents and returns the
-    cotangents that `compress_cotangent` marked as compressed values.
+    cotangents that `compress_cotangent` marked as compressed values (and, for a
+    weight marked through its matrix view by `quax_tangents.optax.mark`, the
+    `LowRank` of that view, `(*batch, m, n)`, not of the weight's shape).
 
     **Arguments:**
 
@@ -283,7 +288,7 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
         return jax.vjp(_cotangents.inner_layer(fn), *primals, has_aux=has_aux)
 
     result = _cotangents.traced_with_marks(lambda: _enter_trace(run)(fn, *primals))
-    pullback = _apply_linear(result[1], "cotangents")
+    pullback = _apply_linear(result[1], "cotangents", unwrap_stored_views)
     return (result[0], pullback, *result[2:])
 
 
@@ -301,7 +306,9 @@ def value_and_grad(
 
     **Returns:**
 
-    A function returning `(value, grads)` or `((value, aux), grads)`.
+    A function returning `(value, grads)` or `((value, aux), grads)`, the gradients
+    as `grad` returns them (the gradient of a weight marked through its matrix view
+    is the `LowRank` of that view).
     """
     return _value_and_grad(fn, argnums, has_aux, "value_and_grad")
 
@@ -342,7 +349,10 @@ def _value_and_grad(
             value = (out, aux[0]) if has_aux else out
             return value, (grads[0] if single else tuple(grads))
 
-        return _cotangents.traced_with_marks(lambda: _enter_trace(run)(pytree_fn, args))
+        value, grads = _cotangents.traced_with_marks(
+            lambda: _enter_trace(run)(pytree_fn, args)
+        )
+        return value, unwrap_stored_views(grads)
 
     return value_and_grad_fn
 
@@ -376,7 +386,10 @@ def grad(
 
     A function taking the arguments of `fn` and returning the gradients: for an
     `int` `argnums`, the gradient of that argument, of its structure (a `Tangent`
-    for a `@differentiable` class); for a sequence, a tuple with one per entry. With
+    for a `@differentiable` class); for a sequence, a tuple with one per entry. Each
+    leaf has its argument's shape, except the gradient of a weight that
+    `quax_tangents.optax.mark` marked through its matrix view (`projected(dims=...)`):
+    the `LowRank` of that view, `(*batch, m, n)`. With
     `has_aux=True` it returns `(gradients, aux)`. An output that is not a real scalar
     is a `TypeError` that points to `vjp`.
     """

@@ -353,6 +353,11 @@ def _restore(counter: Counter, saved: Counter) -> None:
     counter.update(saved)
 
 
+def tracing_inner_layer() -> bool:
+    """Whether an entry point is tracing with the inner layer (marks bind `mark_p`)."""
+    return _state.mode == "inner"
+
+
 def inner_layer(fn: Callable) -> Callable:
     """`fn` traced under its own quax trace when marks are in use, so that their
     rules run above the AD transformation that wraps `fn`; otherwise `fn`."""

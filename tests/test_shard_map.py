@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
+from quax_tangents._matrix_view import to_matrix
 from tests.helpers import assert_close, llama
 from tests.helpers.collective import (
     enough_devices,
@@ -120,6 +121,30 @@ def test_marked_weight_feeding_a_shard_map(source):
     if source == "given":
         assert np.array_equal(np.asarray(grad.left), np.asarray(projector))
     assert qt.fallback_counts() == {}
+
+
+@needs_devices
+def test_a_weight_stored_with_head_dims_marked_through_its_matrix_view():
+    # A `(d, heads, head_dim)` weight, replicated, with the batch sharded: the
+    # gradient is the LowRank of the `(d, heads * head_dim)` view.
+    w, x, labels = _problem()
+    stored = w.reshape(8, 4, 4)
+    projector = jnp.asarray(np.linalg.qr(_numpy(3, 8, 4))[0])
+
+    def loss(stored, marked=True):
+        if marked:
+            matrix = to_matrix(stored, (8, 16))
+            stored = qt.projected_cotangent(matrix, 4, projector=projector).reshape(
+                stored.shape
+            )
+        logits = jnp.einsum("bd,dhk->bhk", x, stored).reshape(32, 16)
+        return _cross_entropy(logits, labels)
+
+    with jax.set_mesh(_mesh()), qt.fallback("error"):
+        grad = jax.jit(qt.grad(loss))(stored)
+        dense = jax.jit(jax.grad(lambda s: loss(s, False)))(stored).reshape(8, 16)
+    assert isinstance(grad, qt.LowRank) and grad.shape == (8, 16)
+    assert_close(grad, projector @ (projector.T @ dense))
 
 
 # ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from .._types.rows import SparseRows
 from .._unchecked import unchecked
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
-from ._mark import leaf_keys, plan_leaves
+from ._mark import in_matrix_view, leaf_keys, plan_leaves
 from ._projected import find_state
 
 
@@ -100,15 +100,20 @@ def _marked(
     if kind == "given" and total is not None:
         # The mark adds this microbatch's factor to the running sum in place.
         spec = Finish("projected", matrix.shape[-1], 0, "given_into")
-        return bind_mark(spec, leaf, (matrix.astype(leaf.dtype), total))
-    if kind == "given":
+        operands = (matrix.astype(leaf.dtype), total)
+    elif kind == "given":
         width = matrix.shape[-1]
-        return projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
-    if kind == "sketch_key":
+        given = matrix.astype(leaf.dtype)
+        return in_matrix_view(
+            leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
+        )
+    elif kind == "sketch_key":
         spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
-        return bind_mark(spec, leaf, (matrix,))
-    spec = Finish("projected", matrix.shape[-1], 0, "sketch")
-    return bind_mark(spec, leaf, (matrix,))
+        operands = (matrix,)
+    else:
+        spec = Finish("projected", matrix.shape[-1], 0, "sketch")
+        operands = (matrix,)
+    return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, operands))
 
 
 def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any:
@@ -267,6 +272,10 @@ def accumulate_gradients(
     full batch's projected gradient (`quax_tangents.optax.mark(params, state,
     key=key, iters=iters)` on the whole batch) up to float rounding. A refresh step
     costs `2 + 2 * iters` passes over the microbatches, other steps one.
+
+    A leaf that `dims=` views as other matrices than its last two dims is marked
+    through its matrix view, as [`quax_tangents.optax.mark`][] marks it: its
+    gradient is the `LowRank` of the matrix view `(*batch, m, n)`.
 
     Leaves chosen with `rows=` are marked with `sparse_rows_cotangent`; their
     gradient holds the rows of every microbatch. Other leaves are averaged densely.

@@ -24,8 +24,8 @@ DimsSpec = Callable[[Any], Dims | None] | PyTree | None
 class LeafPlan(eqx.Module):
     """What `projected` does with one leaf: `kind` is `"project"` (the leaf of
     `shape` is the stack `(*batch, m, n)` of matrices, its first `batch_ndim` dims
-    the stack, the next `row_ndim` dims the rows `m` and the rest the columns `n`)
-    or `"rows"` (a table whose gradient holds the rows read). Static: it has no
+    the stack, the next `row_ndim` dims the rows `m` and the rest the columns `n`;
+    marked, such a leaf's gradient is a `LowRank` of that matrix view) or `"rows"` (a table whose gradient holds the rows read). Static: it has no
     array leaves, so it rides in the state's tree structure."""
 
     kind: Literal["project", "rows"] = eqx.field(static=True)
@@ -49,6 +49,12 @@ class LeafPlan(eqx.Module):
     @property
     def matrix_shape(self) -> tuple[int, ...]:
         return (*self.batch, self.m, self.n)
+
+    @property
+    def is_view(self) -> bool:
+        """Whether the matrices are not the leaf's own last two dims (`dims=`): its
+        marks go on the matrix view, and its gradient comes back in it."""
+        return self.batch_ndim != len(self.shape) - 2 or self.row_ndim != 1
 
     @property
     def side(self) -> str:

@@ -1,6 +1,7 @@
 """`mark`: the parameters with the cotangent marks that a `projected` state calls for,
 applied inside the loss."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -8,7 +9,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
-from .._fallback import record_densification
+from .._matrix_view import to_matrix
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
 
@@ -49,20 +50,26 @@ def _mark_leaf(
         return leaf
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
-    if plan.row_ndim != 1 or plan.batch_ndim != len(plan.shape) - 2:
-        # `projected_cotangent` marks (stacks of) matrices in the parameter's own
-        # dims: this leaf's gradient stays dense, and `projected` projects it after
-        # the fact. Counted, so that `fallback("error")` says so.
-        record_densification(
-            "quax_tangents.optax.mark",
-            ("dims",),
-            f"a leaf of shape {list(plan.shape)} viewed with `dims=("
-            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked",
-        )
-        return leaf
-    return projected_cotangent(
-        leaf, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+    return in_matrix_view(
+        leaf,
+        plan,
+        lambda w: projected_cotangent(
+            w, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+        ),
     )
+
+
+def in_matrix_view(leaf: Any, plan: LeafPlan, mark_matrix: Callable) -> Any:
+    """`mark_matrix(leaf)`, or for a leaf that `dims=` views as other matrices than
+    its last two dims, `mark_matrix` of its matrix view `(*batch, m, n)`, reshaped
+    back to the stored shape: the reshape keeps the mark, so products with the
+    stored weight (`einsum("btd,dhk->bthk", x, w)`) give the factors of the
+    matrix's gradient, and the gradient comes back as a `LowRank` of the matrix
+    view (see `quax_tangents._matrix_view`)."""
+    if not plan.is_view:
+        return mark_matrix(leaf)
+    matrix = mark_matrix(to_matrix(leaf, plan.matrix_shape))
+    return matrix.reshape(plan.shape)
 
 
 def mark(
@@ -77,9 +84,19 @@ def mark(
     projected leaf (stacked or not) `quax_tangents.projected_cotangent` with the
     state's [`quax_tangents.Projector`][] (a fresh projector on refresh steps), and
     on each leaf chosen with `rows=` `quax_tangents.sparse_rows_cotangent`. The other
-    leaves are returned as they are, and so is a leaf that `dims=` views as other
-    matrices than its own last two dims (its dense gradient is projected after the
-    fact; counted as a densification, see `quax_tangents.fallback`).
+    leaves are returned as they are.
+
+    A leaf that `dims=` views as other matrices than its own last two dims (an
+    attention weight stored as `(d, heads, head_dim)`, viewed as `(d, heads *
+    head_dim)`) is marked through its matrix view `(*batch, m, n)`, and returned
+    reshaped to its stored shape (a reshape that keeps the mark): an `einsum` that
+    contracts exactly its row dims or exactly its column dims gives the factors of
+    the matrix's gradient, and its gradient comes back from `quax_tangents.grad`
+    (or `value_and_grad`, `vjp`) as the `LowRank` of the matrix view, *not* of the
+    parameter's shape (JAX requires a cotangent of the parameter's shape, and a
+    `LowRank` is `(..., m, n)`). `projected` takes it, and
+    [`quax_tangents.optax.apply_updates`][] reshapes its updates. Under plain
+    `jax.grad` it is the same projection, dense, in the stored shape.
 
     Call it *inside* the function that `quax_tangents.grad` or `value_and_grad`
     differentiates, on that function's parameters:

@@ -101,7 +101,9 @@ def projected(
     The gradient of a projected leaf is either
 
     - the `LowRank` that `quax_tangents.projected_cotangent` gives (with
-        `projector_side` set, and `batch_ndim` the stack's dims): its projector
+        `projector_side` set, and `batch_ndim` the stack's dims), of the leaf's
+        matrices `(*batch, m, n)` (for a leaf viewed with `dims=`, of its matrix
+        view, as [`quax_tangents.optax.mark`][] makes it): its projector
         factor is taken as the leaf's projector (so on a refresh step the loss
         computes the new one, from the implicit gradient). Mark the parameters in
         the loss with [`quax_tangents.optax.mark`][]`(params, state)`. A `LowRank`
@@ -158,7 +160,9 @@ def projected(
         pairs (or `None`) with the parameters' structure or a prefix of it. `None`
         (the default, and for a leaf): every dim but the last two is a stack dim.
         The updates of a leaf with other dims are `LowRank` values in the matrix
-        view, which [`quax_tangents.optax.apply_updates`][] reshapes.
+        view, which [`quax_tangents.optax.apply_updates`][] reshapes; its marked
+        gradient ([`quax_tangents.optax.mark`][],
+        [`quax_tangents.optax.accumulate_gradients`][]) is in the matrix view too.
 
     **Returns:**
 

@@ -12,7 +12,15 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_array
+from tests.helpers.matrix_view import (
+    DIMS,
+    D,
+    attention_loss,
+    attention_params,
+    matrix_view,
+)
+from tests.helpers.stacked import weight_buffers
 
 
 RANK = 2
@@ -244,3 +252,73 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
             assert_close(grads[name], expected[name], factor=5)
         updates, state = tx.update(grads, state)
         params = qto.apply_updates(params, updates)
+
+
+# ---------------------------------------------------------------------------------------
+# Weights stored with more dims than their matrix (`dims=`)
+
+
+def test_viewed_leaves_accumulate_to_the_full_batch_projected_gradient():
+    params = attention_params()
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, refresh_every=2, dims=DIMS
+    )
+    state = tx.init(params)
+    key = jax.random.key(2)
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(attention_loss, p, s, mb, key=key)
+    )
+    full_batch = jax.jit(
+        lambda p, s, b: qt.value_and_grad(
+            lambda p: attention_loss(qto.mark(p, s, key=key, iters=0), b)
+        )(p)
+    )
+    for t in range(2):  # refresh, keep
+        microbatches = random_array(10 + t, (2, 2, 4, D))
+        with qt.fallback("error"):
+            loss, grads = accumulated(params, state, microbatches)
+            expected_loss, expected = full_batch(params, state, _full(microbatches))
+        assert_close(loss, expected_loss)
+        for name, dims in DIMS.items():
+            g, e = grads[name], expected[name]
+            assert isinstance(g, qt.LowRank) and g.batch_ndim == 1
+            assert g.shape == matrix_view(params[name], dims).shape
+            assert g.projector_side == e.projector_side
+            assert_close(g, e, factor=5)
+        updates, state = tx.update(grads, state)
+        params = qto.apply_updates(params, updates)
+
+
+def test_viewed_leaves_accumulate_with_no_weight_shaped_buffer():
+    params = attention_params(layers=3, d=24, heads=4, head_dim=5)
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims=DIMS).init(params)
+    microbatches = random_array(3, (2, 2, 3, 24))
+    accumulated = jax.jit(
+        lambda p, s, mb: qto.accumulate_gradients(attention_loss, p, s, mb)
+    )
+
+    # One pass over the microbatches taking the gradient of the inputs alone: it
+    # reads the weights in the backward pass (transposed, per layer) as every pass
+    # does, but forms no weight gradient.
+    def inputs_only(p, mb):
+        return jax.lax.map(jax.grad(lambda b: attention_loss(p, b)), mb)
+
+    passes = 3  # the step compiles both branches: refresh (2 passes), keep (1)
+    shapes = [
+        f"f32[{layers}{s}]"
+        for layers in ("3,", "")
+        for s in ("24,4,5", "4,5,24", "24,20", "20,24")
+    ]
+    with qt.fallback("error"):
+        ours = [
+            len(weight_buffers(accumulated, (params, state, microbatches), s))
+            for s in shapes
+        ]
+    reads = [
+        len(weight_buffers(jax.jit(inputs_only), (params, microbatches), s))
+        for s in shapes
+    ]
+    # A leafwise dense accumulator holds stacked `(3, 24, 4, 5)` gradients, which
+    # no pass reads (8 such buffers for each weight, measured): those must be 0.
+    assert all(o <= passes * r for o, r in zip(ours, reads)), (ours, reads)
+    assert ours[:4] == [0, 0, 0, 0]

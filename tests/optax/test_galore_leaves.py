@@ -11,7 +11,8 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_array
+from tests.helpers.matrix_view import DIMS, D, attention_loss, attention_params
 
 
 RANK = 2
@@ -200,6 +201,38 @@ def test_dims_projects_the_matrix_view(shape, dims):
             (param.reshape(view) + expected["w"].materialise()).reshape(shape),
             factor=10,
         )
+
+
+def test_a_step_on_marked_viewed_leaves_equals_the_step_on_dense_gradients():
+    params = attention_params()
+    x = random_array(4, (2, 4, D))
+    tx = qto.projected(
+        _ADAM, rank=RANK, learning_rate=0.1, dims=DIMS, refresh_every=100
+    )
+    # A first step on dense gradients sets the projectors (an SVD per layer); the
+    # next keeps them, so that both arms below project onto the same ones.
+    state = tx.init(params)
+    updates, state = tx.update(jax.grad(attention_loss)(params, x), state)
+    params = qto.apply_updates(params, updates)
+    assert not bool(state.refresh)
+
+    def marked_step(params, state):
+        grads = qt.grad(lambda p: attention_loss(qto.mark(p, state), x))(params)
+        updates, state = tx.update(grads, state)
+        return qto.apply_updates(params, updates), state
+
+    def dense_step(params, state):
+        updates, state = tx.update(jax.grad(attention_loss)(params, x), state)
+        return qto.apply_updates(params, updates), state
+
+    with qt.fallback("error"):
+        got, got_state = jax.jit(marked_step)(params, state)
+    want, want_state = jax.jit(dense_step)(params, state)
+    for name in DIMS:
+        assert got[name].shape == params[name].shape
+        assert_close(got[name], want[name], factor=10)
+        assert_close(got_state.projector[name], want_state.projector[name])
+        assert_close(got_state.base_state.mu[name], want_state.base_state.mu[name])
 
 
 def test_bad_dims_raise():

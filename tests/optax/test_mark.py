@@ -10,7 +10,18 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close
+from tests.helpers import assert_close, random_array
+from tests.helpers.matrix_view import (
+    DIMS,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    D,
+    attention_loss,
+    attention_params,
+    matrix_view,
+)
+from tests.helpers.stacked import project, weight_buffers
 
 
 RANK = 2
@@ -201,24 +212,123 @@ def test_mark_on_a_scanned_equinox_model():
             assert_close(q, before.projector.blocks.up.weight)
 
 
-def test_a_leaf_viewed_with_dims_is_left_unmarked_and_counted():
-    params = {"qkv": jnp.ones((6, 2, 5)), "w": jnp.ones((6, 10))}
+# ---------------------------------------------------------------------------------------
+# Weights stored with more dims than their matrix (`dims=`)
+
+
+def _projected_view(g, dense, dims):
+    """Checks that `g` is the projection of `dense`'s matrix view, and returns its
+    projector."""
+    view = matrix_view(dense, dims)
+    assert isinstance(g, qt.LowRank) and g.shape == view.shape
+    assert g.batch_ndim == dims[0]
+    projector = g.left if g.projector_side == "left" else g.right
+    assert_close(g, project(view, projector, g.projector_side))
+    return projector
+
+
+def test_a_leaf_viewed_with_dims_is_marked_through_its_matrix_view():
+    params = {"qkv": random_array(0, (6, 2, 5)), "w": random_array(1, (6, 10))}
     tx = qto.projected(
         optax.scale_by_adam(), rank=RANK, dims={"qkv": (0, 1), "w": None}
     )
     state = tx.init(params)
-    x = jnp.ones((3, 6))
+    x = random_array(2, (3, 6))
 
     def loss(p):
         return jnp.sum(jnp.tanh(x @ p["w"])) + jnp.sum(
             jnp.tanh(jnp.einsum("bd,dhk->bhk", x, p["qkv"]))
         )
 
-    with pytest.warns(qt.DensificationWarning, match="dims"):
+    with qt.fallback("error"):
         grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    dense = jax.grad(loss)(params)
     assert isinstance(grads["w"], qt.LowRank)
-    assert isinstance(grads["qkv"], jax.Array)
+    _projected_view(grads["qkv"], dense["qkv"], (0, 1))
     updates, _ = tx.update(grads, state)
     assert updates["qkv"].shape == (6, 10)  # the matrix view
-    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="dims"):
+    assert qto.apply_updates(params, updates)["qkv"].shape == (6, 2, 5)
+    # Plain `jax.grad` of the marked loss: the same projection, dense, as stored.
+    plain = jax.grad(lambda p: loss(qto.mark(p, state)))(params)["qkv"]
+    assert plain.shape == (6, 2, 5)
+    assert_close(plain.reshape(6, 10), grads["qkv"])
+
+
+def test_stacked_attention_weights_get_their_projected_gradients():
+    params = attention_params()
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, dims=DIMS, refresh_every=2
+    )
+    state = tx.init(params)
+    x = random_array(3, (2, 4, D))
+
+    @jax.jit
+    def step(params, state, key):
+        marked = lambda p: attention_loss(qto.mark(p, state, key=key), x)  # noqa: E731
+        loss, grads = qt.value_and_grad(marked)(params)
+        updates, new_state = tx.update(grads, state)
+        return qto.apply_updates(params, updates), new_state, loss, grads
+
+    for t in range(3):  # refresh, keep, refresh
+        before = state
+        expected_loss, dense = jax.value_and_grad(attention_loss)(params, x)
+        with qt.fallback("error"):
+            params, state, loss, grads = step(params, state, jax.random.key(t))
+        assert_close(loss, expected_loss)
+        for name, dims in DIMS.items():
+            projector = _projected_view(grads[name], dense[name], dims)
+            if not bool(before.refresh):
+                assert_close(projector, before.projector[name])
+        assert params["query"].shape == (LAYERS, D, HEADS, HEAD_DIM)
+
+
+def test_a_dense_use_of_a_viewed_leaf_is_counted():
+    params = attention_params()
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims=DIMS).init(params)
+    x = random_array(3, (2, 4, D))
+
+    def loss(p):  # weight decay on the stored weight: a dense cotangent
+        return attention_loss(p, x) + 1e-3 * jnp.sum(p["query"] ** 2)
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError):
         qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    with pytest.warns(qt.DensificationWarning):
+        grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    # Still the projection of the whole gradient, in the matrix view.
+    _projected_view(grads["query"], jax.grad(loss)(params)["query"], DIMS["query"])
+
+
+def _attention_steps():
+    """Compiled gradient steps of a scanned attention model whose weights are stored
+    as `(d, heads, head_dim)`, large enough that their shapes are unmistakable:
+    marked by `qto.mark`, unmarked, and the gradient of the input alone (which reads
+    the weights in the backward pass as every step does, transposed for the input's
+    cotangent, but forms no weight gradient)."""
+    params = attention_params(layers=3, d=24, heads=4, head_dim=5)
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims=DIMS).init(params)
+    x = random_array(3, (2, 3, 24))
+    marked = jax.jit(qt.grad(lambda p: attention_loss(qto.mark(p, state), x)))
+    dense = jax.jit(jax.grad(lambda p: attention_loss(p, x)))
+    inputs_only = jax.jit(jax.grad(lambda x, p: attention_loss(p, x)))
+    return (marked, (params,)), (dense, (params,)), (inputs_only, (x, params))
+
+
+# Every dense shape of the two weights' gradients, stacked or per layer, stored or
+# in the matrix view.
+_ATTENTION_SHAPES = [
+    f"f32[{layers}{s}]"
+    for layers in ("3,", "")
+    for s in ("24,4,5", "4,5,24", "24,20", "20,24")
+]
+
+
+def test_no_weight_shaped_buffer_for_viewed_leaves():
+    steps = _attention_steps()
+    with qt.fallback("error"):
+        found = [
+            [len(weight_buffers(fn, args, s)) for s in _ATTENTION_SHAPES]
+            for fn, args in steps
+        ]
+    marked, dense, inputs_only = found
+    assert all(m <= i for m, i in zip(marked, inputs_only)), (marked, inputs_only)
+    assert sum(dense) > sum(inputs_only), "the unmarked step forms weight gradients"
