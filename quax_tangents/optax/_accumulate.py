@@ -87,7 +87,27 @@ def _top_left_singular(b: Array, rank: int) -> Array:
 # One pass over the microbatches
 
 
+def _is_viewed(plan: LeafPlan | None) -> bool:
+    """Whether `dims=` views the leaf as other matrices than its own last two dims
+    (a `(d, heads, head_dim)` projection as `(d, heads * head_dim)`)."""
+    return (
+        plan is not None and plan.kind == "project" and plan.shape != plan.matrix_shape
+    )
+
+
+def _matrix_view(leaf: Any, plan: LeafPlan | None) -> Any:
+    # The dims of `plan` are contiguous (stack, rows, columns): a reshape is the view.
+    return (
+        leaf.reshape(plan.matrix_shape)
+        if leaf is not None and _is_viewed(plan)
+        else leaf
+    )
+
+
 def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple[str, Any] | None) -> Any:
+    """`leaf` (in its matrix view) marked as `mode` says, in the parameter's shape:
+    a reshape that splits one side of a marked matrix keeps the mark, so the
+    gradient of the view is the projection of the matrix that `dims=` names."""
     if plan is None or leaf is None:
         return leaf
     if plan.kind == "rows":
@@ -95,9 +115,11 @@ def _marked(leaf: Any, plan: LeafPlan | None, mode: tuple[str, Any] | None) -> A
     kind, matrix = mode  # type: ignore[misc]
     if kind == "given":
         width = matrix.shape[-1]
-        return projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
-    spec = Finish("projected", matrix.shape[-1], 0, "sketch")
-    return bind_mark(spec, leaf, (matrix,))
+        marked = projected_cotangent(leaf, width, projector=matrix.astype(leaf.dtype))
+    else:
+        spec = Finish("projected", matrix.shape[-1], 0, "sketch")
+        marked = bind_mark(spec, leaf, (matrix,))
+    return marked.reshape(plan.shape) if _is_viewed(plan) else marked
 
 
 def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any:
@@ -144,15 +166,23 @@ def _pass(
         )[0]
     ]
 
-    def loss_of(params: PyTree, batch: Any) -> Any:
-        leaves = treedef.flatten_up_to(params)
+    # Differentiated with respect to the matrix views of the leaves that `dims=`
+    # views otherwise: JAX wants a cotangent of its primal's shape, and the
+    # projection is a `LowRank` of the view, the form `projected` takes.
+    leaves = treedef.flatten_up_to(params)
+    views = jtu.tree_unflatten(
+        treedef, [_matrix_view(x, p) for x, p in zip(leaves, plans)]
+    )
+
+    def loss_of(views: PyTree, batch: Any) -> Any:
+        leaves = treedef.flatten_up_to(views)
         marked = [_marked(x, p, m) for x, p, m in zip(leaves, plans, modes)]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
     value_and_grad = _ad.value_and_grad(loss_of, has_aux=has_aux)
 
     def one(batch: Any) -> tuple[Array, Any, list]:
-        value, grads = value_and_grad(params, batch)
+        value, grads = value_and_grad(views, batch)
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
         parts = [

@@ -12,7 +12,7 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close
+from tests.helpers import assert_close, heads
 
 
 RANK = 2
@@ -244,3 +244,50 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
             assert_close(grads[name], expected[name], factor=5)
         updates, state = tx.update(grads, state)
         params = qto.apply_updates(params, updates)
+
+
+def test_weights_viewed_with_dims_accumulate_to_the_projection_of_their_matrix():
+    # (d, heads, head_dim) einsum weights with `dims=`: each microbatch marks the
+    # (d, heads * head_dim) matrix, and the gradient is a LowRank of that matrix,
+    # with no densification.
+    model = heads.HeadsLM(jax.random.key(0))
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=RANK,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=heads.project,
+        dims=heads.dims,
+    )
+    state = tx.init(model)
+    step_loss = jax.jit(
+        lambda m, s, mb, key: qto.accumulate_gradients(heads.loss, m, s, mb, key=key)
+    )
+    rng = np.random.default_rng(5)
+    for step in range(2):  # refresh, keep
+        microbatches = jnp.asarray(rng.integers(0, heads.VOCAB, (2, 3, 7)))
+        with qt.fallback("error"):
+            loss, grads = step_loss(model, state, microbatches, jax.random.key(step))
+        full = microbatches.reshape(6, 7)
+        expected_loss, dense = jax.value_and_grad(heads.loss)(model, full)
+        assert_close(loss, expected_loss)
+        projectors = heads.weights(state.projector)
+        for g, d, w, p in zip(
+            heads.weights(grads), heads.weights(dense), heads.weights(model), projectors
+        ):
+            matrix = d.reshape(d.shape[0], -1)
+            assert isinstance(g, qt.LowRank) and g.shape == matrix.shape
+            q = g.left if g.projector_side == "left" else g.right
+            assert_close(q.T @ q, jnp.eye(RANK))
+            if g.projector_side == "left":
+                assert_close(g, q @ (q.T @ matrix))
+            else:
+                assert_close(g, (matrix @ q) @ q.T)
+            if not bool(state.refresh):
+                assert_close(q, p)
+        updates, state = tx.update(grads, state)
+        new = qto.apply_updates(model, updates)
+        assert [w.shape for w in heads.weights(new)] == [
+            w.shape for w in heads.weights(model)
+        ]
+        model = new
