@@ -272,9 +272,7 @@ def test_weights_viewed_with_dims_accumulate_to_the_projection_of_their_matrix()
         expected_loss, dense = jax.value_and_grad(heads.loss)(model, full)
         assert_close(loss, expected_loss)
         projectors = heads.weights(state.projector)
-        for g, d, w, p in zip(
-            heads.weights(grads), heads.weights(dense), heads.weights(model), projectors
-        ):
+        for g, d, p in zip(heads.weights(grads), heads.weights(dense), projectors):
             matrix = d.reshape(d.shape[0], -1)
             assert isinstance(g, qt.LowRank) and g.shape == matrix.shape
             q = g.left if g.projector_side == "left" else g.right
