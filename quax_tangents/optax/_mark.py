@@ -57,7 +57,13 @@ def _mark_leaf(
             "quax_tangents.optax.mark",
             ("dims",),
             f"a leaf of shape {list(plan.shape)} viewed with `dims=("
-            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked",
+            f"{plan.batch_ndim}, {plan.row_ndim})` is left unmarked: its gradient "
+            f"must have the leaf's shape, and a projection is a LowRank of the "
+            f"matrices {list(plan.matrix_shape)}",
+            "Compute the gradient with `quax_tangents.optax.accumulate_gradients` "
+            "(one microbatch: `batch[None]`), which marks the matrix view, or store "
+            f"the weight as {list(plan.matrix_shape)} and reshape it in the forward "
+            "pass.",
         )
         return leaf
     return projected_cotangent(

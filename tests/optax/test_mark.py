@@ -222,3 +222,15 @@ def test_a_leaf_viewed_with_dims_is_left_unmarked_and_counted():
     assert updates["qkv"].shape == (6, 10)  # the matrix view
     with qt.fallback("error"), pytest.raises(qt.DensificationError, match="dims"):
         qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+
+
+def test_the_error_for_a_leaf_viewed_with_dims_names_the_fixes():
+    params = {"qkv": jnp.ones((6, 2, 5))}
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims={"qkv": (0, 1)}).init(
+        params
+    )
+    with qt.fallback("error"), pytest.raises(qt.DensificationError) as error:
+        qto.mark(params, state)
+    message = str(error.value)
+    assert "accumulate_gradients" in message and "[6, 10]" in message
+    assert "quax.register" not in message
