@@ -92,3 +92,26 @@ def dims(leaf):
     """`dims=` for `qto.projected`: a per-head weight as its `(d, heads * head_dim)`
     matrix."""
     return (0, 1) if leaf.ndim == 3 else None
+
+
+def stacked_per_head(key):
+    """`{"wq", "wo"}`, each `(LAYERS, d, heads, head_dim)`: the per-head weights of
+    all layers stacked, for `scanned_loss`."""
+    kq, ko = jax.random.split(key)
+    shape = (LAYERS, DIM, HEADS, HEAD_DIM)
+    return {
+        "wq": jax.random.normal(kq, shape) / 4,
+        "wo": jax.random.normal(ko, shape) / 4,
+    }
+
+
+def scanned_loss(params, x):
+    """The layers of `stacked_per_head` run by `lax.scan` over a checkpointed body,
+    on `x` `(batch, seq, d)`."""
+
+    @jax.checkpoint
+    def layer(h, w):
+        q = jnp.einsum("bsd,dnh->bsnh", h, w["wq"])
+        return h + jnp.einsum("bsnh,dnh->bsd", jnp.tanh(q), w["wo"]), None
+
+    return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)

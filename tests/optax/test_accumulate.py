@@ -289,3 +289,31 @@ def test_weights_viewed_with_dims_accumulate_to_the_projection_of_their_matrix()
             w.shape for w in heads.weights(model)
         ]
         model = new
+
+
+def test_stacked_per_head_weights_in_a_scan_accumulate_to_their_matrix_projection():
+    # (layers, d, heads, head_dim) with dims=(1, 1), sliced by a scan over a
+    # checkpointed body: one LowRank of the (layers, d, heads * head_dim) stack.
+    params = heads.stacked_per_head(jax.random.key(0))
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, dims=lambda w: (1, 1)
+    )
+    state = tx.init(params)
+    xs = jax.random.normal(jax.random.key(1), (2, 3, 5, heads.DIM))
+    with qt.fallback("error"):
+        _, grads = jax.jit(
+            lambda p, s: qto.accumulate_gradients(
+                heads.scanned_loss, p, s, xs, key=jax.random.key(2)
+            )
+        )(params, state)
+    mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: heads.scanned_loss(p, b))(xs))  # noqa: E731
+    dense = jax.grad(mean_loss)(params)
+    for name, g in grads.items():
+        matrices = dense[name].reshape(g.shape)
+        assert isinstance(g, qt.LowRank) and g.batch_ndim == 1
+        assert g.shape == (heads.LAYERS, heads.DIM, heads.HEADS * heads.HEAD_DIM)
+        q = g.left
+        assert_close(g, q @ (jnp.swapaxes(q, -1, -2) @ matrices))
+    updates, _ = tx.update(grads, state)
+    new = qto.apply_updates(params, updates)
+    assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, params)
