@@ -280,6 +280,10 @@ def accumulate_gradients(
 
     Leaves chosen with `rows=` are marked with `sparse_rows_cotangent`; their
     gradient holds the rows of every microbatch. Other leaves are averaged densely.
+    A leaf that `dims=` views as other matrices (a `(d, heads, head_dim)`
+    projection as `(d, heads * head_dim)`) is marked in that view, and its gradient
+    is a `LowRank` of the matrix view, not of the leaf's shape: the form `projected`
+    takes (`quax_tangents.optax.mark` cannot do this, and leaves such a leaf dense).
 
     **Arguments:**
 
@@ -300,7 +304,7 @@ def accumulate_gradients(
 
     `(loss, grads)`, or `((loss, aux), grads)` with `aux` stacked over the
     microbatches: the mean loss, and the gradients of the mean loss (`LowRank` with
-    `projector_side` for projected leaves, `SparseRows` for row leaves, dense
+    `projector_side` for projected leaves, in their matrix view, `SparseRows` for row leaves, dense
     otherwise), ready for `projected`'s `update`.
     """
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:

@@ -85,7 +85,9 @@ def mark(
     on each leaf chosen with `rows=` `quax_tangents.sparse_rows_cotangent`. The other
     leaves are returned as they are, and so is a leaf that `dims=` views as other
     matrices than its own last two dims (its dense gradient is projected after the
-    fact; counted as a densification, see `quax_tangents.fallback`).
+    fact; counted as a densification, see `quax_tangents.fallback`):
+    [`quax_tangents.optax.accumulate_gradients`][] marks such a leaf in its matrix
+    view.
 
     Call it *inside* the function that `quax_tangents.grad` or `value_and_grad`
     differentiates, on that function's parameters:
