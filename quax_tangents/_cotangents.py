@@ -628,11 +628,39 @@ def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
         w.ndim - 2,
         w.compute_dtype,
     )
-    if w.kind == "rows" or _contraction(dot) is None:
+    if w.kind != "rows" and _contraction(dot) is None:
+        _record_other_contraction(w, dot)
+        operands = (w.materialise(), x) if w_is_lhs else (x, w.materialise())
+        return jax.lax.dot_general_p.bind(*operands, **params)
+    if w.kind == "rows":
         return Marked.default(
             jax.lax.dot_general_p, (w, x) if w_is_lhs else (x, w), params
         )
     return _factored_dot(dot, x, w.array)
+
+
+def _record_other_contraction(w: Marked, dot: _Dot) -> None:
+    """Counts a product that does not contract exactly one side of each matrix of
+    the marked stack, and says why: a `(d, heads, head_dim)` weight marked in its
+    own dims is a stack of `d` matrices `(heads, head_dim)`, and contracting `d`
+    contracts its stack dim."""
+    _, w_c, _, w_b = _dims(dot)
+    nb = dot.batch_ndim
+    shape = tuple(w.aval().shape)
+    _fallback.record_densification(
+        "dot_general",
+        ("Marked",),
+        f"a product that contracts dims {list(w_c)} and batches dims {list(w_b)} of "
+        f"a marked weight of shape {list(shape)}, which the mark sees as a stack "
+        f"{list(shape[:nb])} of {shape[nb:]} matrices: its cotangent stays "
+        "compressed only for a product that contracts one side of each matrix, "
+        "with the stack dims as batch dims",
+        "Store such a weight as the matrix the product uses (a `(d, heads, "
+        "head_dim)` weight as `(d, heads * head_dim)`) and reshape it in the "
+        "forward pass, or compute its gradient with "
+        "`quax_tangents.optax.accumulate_gradients` and `projected(dims=...)`, "
+        "which mark the matrix view.",
+    )
 
 
 @rule(jax.lax.dot_general_p, dense_output=True)

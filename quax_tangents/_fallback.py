@@ -146,19 +146,27 @@ def reset_fallback_counts() -> None:
 
 
 def record_densification(
-    primitive: str, type_names: tuple[str, ...], reason: str
+    primitive: str, type_names: tuple[str, ...], reason: str, fix: str | None = None
 ) -> None:
-    """Counts one densification of each named type and applies the fallback mode."""
+    """Counts one densification of each named type and applies the fallback mode.
+    `fix`, when given, replaces the generic advice (avoid the operation, or register
+    a rule for it) in the error: the caller knows what the user can change."""
     for type_name in type_names:
         key = (primitive, type_name)
         if not _settings.dry_run:
             _densify_counts[key] += 1
         message = f"`{primitive}` turns a {type_name} into a dense array ({reason})."
+        if fix is not None:
+            message += " " + fix
         if _settings.mode == "error":
+            advice = (
+                " Avoid the operation on compressed values, register a rule "
+                f"for `{primitive}` with `quax.register`, or allow"
+                if fix is None
+                else " Or allow"
+            )
             raise DensificationError(
-                message + " Avoid the operation on compressed values, register a rule "
-                f"for `{primitive}` with `quax.register`, or allow it with "
-                "`quax_tangents.fallback('warn')`."
+                message + advice + " it with `quax_tangents.fallback('warn')`."
             )
         if _settings.mode == "warn" and key not in _warned and not _settings.dry_run:
             _warned.add(key)

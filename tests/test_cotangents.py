@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import quax_tangents as qt
-from tests.helpers import assert_close, random_array
+from tests.helpers import assert_close, heads, random_array
 
 
 M, N = 12, 16  # weights are (M, N) or, for the m > n cases, (N, M)
@@ -487,6 +487,35 @@ def test_a_tied_table_adds_a_dense_term_counted():
         ("finish", "Marked"): 1,
     }
     assert_close(grad, jax.grad(loss)(table, False))
+
+
+def test_a_per_head_weight_contracted_over_its_stack_dim_names_the_matrix_layout():
+    # A (d, heads, head_dim) weight marked in its own dims is a stack of d matrices;
+    # `einsum("sd,dnh->snh")` contracts d. The error says so and names the fixes,
+    # not `quax.register`; silently, the gradient is still exact (counted).
+    model = heads.HeadsLM(jax.random.key(0))
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, heads.VOCAB, (2, 5)))
+
+    def loss(model, marked):
+        if marked:
+            wq = qt.projected_cotangent(model.blocks[0].wq, 1, key=jax.random.key(1))
+            model = eqx.tree_at(lambda m: m.blocks[0].wq, model, wq)
+        return heads.loss(model, batch)
+
+    with (
+        qt.fallback("error"),
+        pytest.raises(qt.DensificationError) as error,
+    ):
+        qt.grad(loss)(model, True)
+    message = str(error.value)
+    assert "stack [16] of (2, 8) matrices" in message
+    assert "(d, heads * head_dim)" in message and "accumulate_gradients" in message
+    assert "quax.register" not in message
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(model, True).blocks[0].wq
+    assert qt.fallback_counts()[("dot_general", "Marked")] == 1
+    assert grad.shape == model.blocks[0].wq.shape
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import assert_close, random_array
+from tests.helpers import assert_close, heads, random_array
 from tests.helpers.matrix_view import (
     DIMS,
     D,
@@ -322,3 +322,76 @@ def test_viewed_leaves_accumulate_with_no_weight_shaped_buffer():
     # no pass reads (8 such buffers for each weight, measured): those must be 0.
     assert all(o <= passes * r for o, r in zip(ours, reads)), (ours, reads)
     assert ours[:4] == [0, 0, 0, 0]
+
+
+def test_weights_viewed_with_dims_accumulate_to_the_projection_of_their_matrix():
+    # (d, heads, head_dim) einsum weights with `dims=`: each microbatch marks the
+    # (d, heads * head_dim) matrix, and the gradient is a LowRank of that matrix,
+    # with no densification.
+    model = heads.HeadsLM(jax.random.key(0))
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=RANK,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=heads.project,
+        dims=heads.dims,
+    )
+    state = tx.init(model)
+    step_loss = jax.jit(
+        lambda m, s, mb, key: qto.accumulate_gradients(heads.loss, m, s, mb, key=key)
+    )
+    rng = np.random.default_rng(5)
+    for step in range(2):  # refresh, keep
+        microbatches = jnp.asarray(rng.integers(0, heads.VOCAB, (2, 3, 7)))
+        with qt.fallback("error"):
+            loss, grads = step_loss(model, state, microbatches, jax.random.key(step))
+        full = microbatches.reshape(6, 7)
+        expected_loss, dense = jax.value_and_grad(heads.loss)(model, full)
+        assert_close(loss, expected_loss)
+        projectors = heads.weights(state.projector)
+        for g, d, p in zip(heads.weights(grads), heads.weights(dense), projectors):
+            matrix = d.reshape(d.shape[0], -1)
+            assert isinstance(g, qt.LowRank) and g.shape == matrix.shape
+            q = g.left if g.projector_side == "left" else g.right
+            assert_close(q.T @ q, jnp.eye(RANK))
+            if g.projector_side == "left":
+                assert_close(g, q @ (q.T @ matrix))
+            else:
+                assert_close(g, (matrix @ q) @ q.T)
+            if not bool(state.refresh):
+                assert_close(q, p)
+        updates, state = tx.update(grads, state)
+        new = qto.apply_updates(model, updates)
+        assert [w.shape for w in heads.weights(new)] == [
+            w.shape for w in heads.weights(model)
+        ]
+        model = new
+
+
+def test_stacked_per_head_weights_in_a_scan_accumulate_to_their_matrix_projection():
+    # (layers, d, heads, head_dim) with dims=(1, 1), sliced by a scan over a
+    # checkpointed body: one LowRank of the (layers, d, heads * head_dim) stack.
+    params = heads.stacked_per_head(jax.random.key(0))
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=RANK, learning_rate=1e-2, dims=lambda w: (1, 1)
+    )
+    state = tx.init(params)
+    xs = jax.random.normal(jax.random.key(1), (2, 3, 5, heads.DIM))
+    with qt.fallback("error"):
+        _, grads = jax.jit(
+            lambda p, s: qto.accumulate_gradients(
+                heads.scanned_loss, p, s, xs, key=jax.random.key(2)
+            )
+        )(params, state)
+    mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: heads.scanned_loss(p, b))(xs))  # noqa: E731
+    dense = jax.grad(mean_loss)(params)
+    for name, g in grads.items():
+        matrices = dense[name].reshape(g.shape)
+        assert isinstance(g, qt.LowRank) and g.batch_ndim == 1
+        assert g.shape == (heads.LAYERS, heads.DIM, heads.HEADS * heads.HEAD_DIM)
+        q = g.left
+        assert_close(g, q @ (jnp.swapaxes(q, -1, -2) @ matrices))
+    updates, _ = tx.update(grads, state)
+    new = qto.apply_updates(params, updates)
+    assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, params)
