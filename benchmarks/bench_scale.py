@@ -77,6 +77,7 @@ from _llama import (
     count_params,
     init_params,
     loss,
+    matrix_shape,
 )
 from _report import add_out_argument, command, default_out, environment, produced_by
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -561,80 +562,91 @@ def breakdown(results: list[Estimate], models: list[str]) -> list[str]:
     return lines
 
 
-# The projected-8bit totals of the earlier, hand-written projected step (marks per
-# layer inside the scan body, a per-layer `qto.projected` in a loop that decoded one
-# layer's 8-bit state at a time, a fused apply), measured by this script at commit
-# 27249bb with `python benchmarks/bench_scale.py --part single`, in GiB.
+# The projected-8bit totals measured by this script on the library's path before
+# `qto.layerwise` and the in-place accumulation (commit 638cd72, `python
+# benchmarks/bench_scale.py --one MODEL projected-8bit`), and those of an earlier,
+# hand-written step (marks inside the scan body, a loop decoding one layer's 8-bit
+# state at a time; commit 27249bb), in GiB.
+BEFORE_TOTALS = {"1B": 10.18, "7B": 49.22}
 HAND_WRITTEN_TOTALS = {"1B": 6.96, "7B": 31.59}
+
+
+def mark_factor_bytes(config: LlamaConfig) -> int:
+    """Bytes of the factors a projected mark keeps per microbatch until its
+    projection: each stacked block matrix's `OuterSum`, its input and output
+    cotangent for every token of every layer, in bfloat16 (the projection runs
+    after the model's backward scan, one layer at a time)."""
+    tokens = MICROBATCH * SEQ
+    sides = sum(sum(matrix_shape(config, name)) for name in MATRICES)
+    return 2 * tokens * sides * config.layers
 
 
 def _parts_line(model: str, r: Estimate, parts: dict) -> str:
     p = {k: v / GIB for k, v in parts.items()}
-    # Decoded float32 moments: the 8-bit codes hold about one byte per element.
-    decoded = 4 * r.state / GIB
     return (
-        f"- **{model}, attributed** (`python benchmarks/bench_scale.py --parts "
-        f"{model} {r.arm}`: the temp bytes of the step's pieces compiled alone): "
-        f"`qto.accumulate_gradients` {p['gradients']:.2f} GiB (one microbatch's "
-        f"gradient and the accumulator are {2 * r.gradients / GIB:.2f} of it; the "
-        "rest, not attributed further, is in the `lax.cond` between the steady pass "
-        "and the refresh passes, whose sketches, QR and SVD of every layer are "
-        "float32); the "
-        f"transformation's `update` {p['update']:.2f} GiB, where its 8-bit state "
-        f"is {r.state / GIB:.2f} GiB: `qto.quantized_state` decodes every leaf "
-        f"whole, all layers' moments and the embedding's and head's at once, to "
-        f"float32 (about {decoded:.2f} GiB), and the updated moments are as large "
-        f"again before they are encoded; `update` then `qto.apply_updates` "
-        f"{p['update_apply']:.2f} GiB ({p['update_apply'] - p['update']:.2f} more: "
-        "`qto.apply_updates` compiled alone on a stacked bfloat16 leaf holds no "
-        "temporary at any rank, `tests/optax/test_apply.py`; what XLA adds when the "
-        "two are compiled together is not attributed further)."
+        f"- **{model}, by piece** (`python benchmarks/bench_scale.py --parts "
+        f"{model} {r.arm}`: the temp bytes of each piece compiled alone): "
+        f"`qto.accumulate_gradients` {p['gradients']:.2f} GiB, the transformation's "
+        f"`update` {p['update']:.2f} GiB, `update` then `qto.apply_updates` "
+        f"{p['update_apply']:.2f} GiB. The gradient pass dominates."
     )
 
 
 def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
-    """Why the targets are missed, with this run's numbers."""
+    """What the projected arms do, and why the targets are still missed, with this
+    run's numbers."""
     if "7B" not in models:
         return []
     r = _find(results, "7B", "projected-8bit")
     adam = _find(results, "7B", "adam")
-    shapes = r.weights + r.state + r.gradients + r.accumulator + r.activations
-    single = r.weights + r.state + r.gradients + r.activations
+    eight = _find(results, "7B", "adam-8bit")
+    config = MODELS["7B"]
+    floor = r.weights + r.state + r.gradients + r.activations
     then = ", ".join(
-        f"{m} {HAND_WRITTEN_TOTALS[m]:.2f} GiB, now {_gib(_find(results, m, r.arm).total)}"
+        f"{m} {BEFORE_TOTALS[m]:.2f} GiB, now {_gib(_find(results, m, r.arm).total)}"
         for m in ("1B", "7B")
         if m in models
     )
+    hand = ", ".join(f"{m} {v:.2f} GiB" for m, v in HAND_WRITTEN_TOTALS.items())
     lines = [
-        "- **The library's path holds more than the hand-written step did.** The "
-        "projected arms are written as a user writes them (`qto.accumulate_gradients`, "
-        "`qto.projected` on the stacked leaves, `qto.apply_updates`). The earlier "
-        "hand-written step decoded and updated one layer's 8-bit state at a time in "
-        f"a loop; its projected-8bit totals were {then}. The sizes from shapes are "
-        "the same; the difference is XLA's temporaries, attributed below.",
+        "- **The library's path.** `qto.layerwise` runs the 8-bit transformation one "
+        "layer's slice at a time (and one slice of the embedding's and the head's "
+        "rows), writing the state and the updates in place, each update over the "
+        "gradient it replaces; `qto.accumulate_gradients` adds each microbatch's "
+        "projection into the running sum in place, layer by layer, and draws each "
+        "layer's test matrix inside the pass on refresh steps. Projected-8bit "
+        f"totals before these: {then}. An earlier hand-written step reached {hand}; "
+        "the difference that remains is in the gradient pass.",
     ]
     for model, parts in sorted(extra.get("parts", {}).items()):
         if model in models:
             lines.append(_parts_line(model, _find(results, model, r.arm), parts))
     return lines + [
-        "- **Not fixed here:** `qto.quantized_state` runs its inner transformation "
-        "once on the whole decoded state. Decoding slice by slice would need the "
-        "inner transformation's update to be separable along a leaf's leading axis "
-        "(true of Adam, not of a global-norm clip), an option it does not have yet. "
-        "`qto.apply_updates` no longer holds a weight-sized product at any rank (its "
-        "multiply-reduce is fused into the write of the weight).",
-        "- **Accumulation holds the gradient twice.** A microbatch's gradient and the "
-        "accumulator it is added to are both live, so the projected arms pay their "
-        f"gradient twice: at 7B {_gib(r.gradients)} GiB each. The sizes from shapes "
-        f"alone (weights, state, gradient, accumulator, activations) come to "
-        f"{_gib(shapes)} GiB, {shapes / adam.total:.3f}x of BF16 Adam's total (the "
-        "target is 0.45x) and above 24 GiB, before XLA adds a byte. Without "
-        f"accumulation the same parts are {_gib(single)} GiB.",
-        "- **8-bit Adam on dense gradients saves nothing here** (`adam-8bit`): its "
-        "state is half of BF16 Adam's, but the update loop writes the dense updates "
-        "(one weight's worth) before they are applied, and that temporary eats the "
-        "saving. `galore` likewise holds dense gradients, an accumulator and dense "
-        "updates, so its total is BF16 Adam's.",
+        "- **Where the temp bytes go at 7B** (read from XLA's buffer assignment, "
+        "`--xla_dump_to`): the marks' factors, each block matrix's input and output "
+        "cotangent for every token of every layer, kept from the backward scan until "
+        f"the projection ({_gib(mark_factor_bytes(config))} GiB per microbatch, from "
+        "shapes); the refresh branch of the `lax.cond`, whose sums are `rank + 4` "
+        "wide and whose projectors and factors are new arrays; float32 copies of the "
+        "embedding and the head that XLA on CPU makes for bfloat16 matmuls and "
+        "scatters (each "
+        f"{_gib(4 * config.vocab * config.hidden)} GiB; a GPU computes these in "
+        "bfloat16); and the dense gradients of the embedding and the head, twice "
+        "(one microbatch's and the sum).",
+        "- **The floor.** Weights, 8-bit state, one copy of the gradients and the "
+        f"saved activations come to {_gib(floor)} GiB at 7B, "
+        f"{floor / adam.total:.3f}x of BF16 Adam's total, before a temporary: "
+        "0.45x leaves "
+        f"{_gib(0.45 * adam.total - floor)} GiB for everything else, and 24 GiB "
+        f"cannot be reached while the bfloat16 weights and the 8-bit state alone are "
+        f"{_gib(r.weights + r.state)} GiB and the gradients (factors, projectors and "
+        f"the dense embedding and head) {_gib(r.gradients)} GiB.",
+        "- **8-bit Adam on dense gradients** (`adam-8bit`, `qto.layerwise` around "
+        f"`qto.quantized_state(optax.adam)`): {_gib(eight.total)} GiB at 7B, "
+        f"{eight.total / adam.total:.3f}x of BF16 Adam's; its state is half, and "
+        "`layerwise` keeps the decoded state and the updates to one slice. "
+        "`galore` holds dense gradients, an accumulator and dense updates, so its "
+        "total is BF16 Adam's.",
     ]
 
 
@@ -756,16 +768,17 @@ def report(
         "`lax.scan`, `jax.checkpoint` per block, bfloat16 weights.",
         "",
         "Arms: `adam` is `optax.adam` with bfloat16 state (the paper's BF16 "
-        "baseline); `adam-8bit` is `qto.quantized_state(optax.adam(...))`; `galore` is "
+        "baseline); `adam-8bit` is `qto.layerwise(qto.quantized_state(optax.adam(...)))`; `galore` is "
         "`optax.contrib.galore` at the same rank (dense gradients, projected after the "
         "fact, layer by layer); `projected` is the library's own path: "
         "`qto.accumulate_gradients` marks the stacked block matrices (`qto.mark`, "
-        "before the model's scan) and averages the microbatches' small factors, "
-        "`qto.projected(optax.scale_by_adam(), learning_rate=...)` updates the "
-        "stacked leaves (GaLore's scale 0.25, refresh every 200 steps; the embedding, "
-        "final norm and head by its Adam), and `qto.apply_updates` adds the updates; "
-        "`projected-8bit` wraps it in `qto.quantized_state` (the embedding's and "
-        "head's moments 8-bit too). In the other arms the embedding, final norm and "
+        "before the model's scan) and adds the microbatches' small factors up in "
+        "place, `qto.layerwise(qto.projected(optax.scale_by_adam(), "
+        "learning_rate=...))` updates the stacked leaves one layer at a time "
+        "(GaLore's scale 0.25, refresh every 200 steps; the embedding, final norm "
+        "and head by its Adam), and `qto.apply_updates` adds the updates; "
+        "`projected-8bit` puts `qto.quantized_state` inside `layerwise` (the "
+        "embedding's and head's moments 8-bit too). In the other arms the embedding, final norm and "
         "head are updated by `optax.adam` (8-bit with `adam-8bit`), as in the paper.",
         "",
         "## Targets",
@@ -828,12 +841,12 @@ def report(
             "(no explicit all-gather of each layer's weights), so its SPMD "
             "partitioner may partition a matmul instead of gathering its weight, "
             "and on CPU it promotes bfloat16 collectives to float32. The "
-            "projected-8bit rows of this table are those of the earlier "
-            "hand-written projected step (see the commands above: the FSDP part "
-            "was not run again for the library's path). In that step the buffers "
-            "created inside the step (the accumulator of factors, the layer loop's "
-            "update buffers) carry no sharding annotation; at 1B that leaves it "
-            "above BF16 Adam per device. Not investigated further.",
+            "projected-8bit step is the library's path as above, with no sharding "
+            "annotation inside it: the buffers it creates (the sums of factors, the "
+            "layer loops' carries) are left to the partitioner, and at both sizes "
+            "it holds more per device than BF16 Adam and receives more bytes. "
+            "Sharding those buffers like the weights they belong to is not done "
+            "here.",
             "",
         ]
     return "\n".join(lines)
