@@ -491,3 +491,44 @@ def test_the_gradient_through_any_view_matches_dense(data):
         grad = qt.grad(loss)(w, True)
     assert isinstance(grad, qt.LowRank) and grad.batch_ndim == nb
     assert_close(grad, jax.grad(loss)(w, False))
+
+
+# ---------------------------------------------------------------------------------------
+# A projection that adds into a running sum (`accumulate_gradients`' steady passes)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([(), (3,)]),
+    sides=st.sampled_from([(4, 7), (7, 4)]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+)
+def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, dtype):
+    # `finish` with source "given_into" on the total cotangent, an `OuterSum` or a
+    # dense array, against the dense computation: the sum plus `G^T P` (`G Q` for a
+    # tall weight), the projector as given.
+    from quax_tangents._projection import Finish, project_dense, project_outer
+    from quax_tangents._types.outer import OuterSum
+
+    m, n = sides
+    small, large, rank = min(m, n), max(m, n), 2
+    left = random_array(seed, (*batch, m, 5)).astype(dtype)
+    right = random_array(seed + 1, (*batch, n, 5)).astype(dtype)
+    projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
+    projector = projector.astype(dtype)
+    total = random_array(seed + 3, (*batch, large, rank)).astype(dtype)
+    dense = jnp.einsum(
+        "...ik,...jk->...ij", left, right, preferred_element_type=jnp.float32
+    )
+    wide = jnp.swapaxes(dense, -1, -2) if m <= n else dense
+    expected = total.astype(jnp.float32) + wide @ projector.astype(jnp.float32)
+    spec = Finish("projected", rank, 0, "given_into")
+    for got in (
+        project_outer(spec, OuterSum(left, right), (projector, total)),
+        project_dense(spec, dense.astype(dtype), (projector, total)),
+    ):
+        factor, basis = (got.right, got.left) if m <= n else (got.left, got.right)
+        assert got.projector_side == ("left" if m <= n else "right")
+        assert_close(basis, projector, dtype)
+        assert_close(factor, expected, dtype, factor=4)
