@@ -250,7 +250,8 @@ class Estimate:
         donated, so the outputs reuse them).
     - `gradients`: one microbatch's gradient (for the projected arms, the `LowRank`
         factors and the dense gradients of the other leaves); `accumulator` the same
-        again, carried across the microbatches.
+        again, carried across the microbatches, except the projected factors, which
+        are added into their sum in place.
     - `activations`: what the remat'd scan saves (each block's input) plus the float32
         logits and their gradient.
     - `devices`, `received`: for a sharded step, the device count and the bytes one
@@ -288,7 +289,11 @@ def _abstract_inputs(
     return params, state, tokens
 
 
-def _gradient_bytes(config, arm, params, state, tokens) -> int:
+def _gradient_bytes(config, arm, params, state, tokens) -> tuple[int, int]:
+    """One microbatch's gradient bytes, and those of the accumulator: the same, but
+    for the projected arms only the dense leaves' (the projected factors are added
+    into their sum in place, one buffer)."""
+
     def grads(params, state, tokens):
         one = tokens[:1]
         if arm.startswith("projected"):
@@ -298,7 +303,12 @@ def _gradient_bytes(config, arm, params, state, tokens) -> int:
         return dense_gradients(config, params, one)[1]
 
     with qt.fallback("silent"):
-        return _bytes(jax.eval_shape(grads, params, state, tokens))
+        shapes = jax.eval_shape(grads, params, state, tokens)
+    dense = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, qt.LowRank))
+    dense = [x for x in dense if not isinstance(x, qt.LowRank)]
+    return _bytes(shapes), (
+        _bytes(dense) if arm.startswith("projected") else _bytes(shapes)
+    )
 
 
 def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
@@ -376,7 +386,7 @@ def estimate(
     elapsed = time.perf_counter() - start
     fallbacks = sum(qt.fallback_counts().values())
     memory = compiled.memory_analysis()
-    gradients = _gradient_bytes(config, arm, params, state, tokens)
+    gradients, accumulator = _gradient_bytes(config, arm, params, state, tokens)
     activations = (
         config.layers * batch * seq * config.hidden * 2  # block inputs, bf16
         + 2 * batch * seq * config.vocab * 4  # f32 logits and their gradient
@@ -395,7 +405,7 @@ def estimate(
         _bytes(params) // devices,
         _bytes(state) // devices,
         gradients // devices,
-        gradients // devices if accumulation > 1 else 0,
+        accumulator // devices if accumulation > 1 else 0,
         activations,
         fallbacks,
         elapsed,
@@ -638,9 +648,9 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         f"{floor / adam.total:.3f}x of BF16 Adam's total, before a temporary: "
         "0.45x leaves "
         f"{_gib(0.45 * adam.total - floor)} GiB for everything else, and 24 GiB "
-        f"cannot be reached while the bfloat16 weights and the 8-bit state alone are "
-        f"{_gib(r.weights + r.state)} GiB and the gradients (factors, projectors and "
-        f"the dense embedding and head) {_gib(r.gradients)} GiB.",
+        f"leaves {_gib(24 * GIB - floor)} GiB: the bfloat16 weights and the 8-bit state "
+        f"alone are {_gib(r.weights + r.state)} GiB, the gradients (factors, "
+        f"projectors and the dense embedding and head) {_gib(r.gradients)} GiB.",
         "- **8-bit Adam on dense gradients** (`adam-8bit`, `qto.layerwise` around "
         f"`qto.quantized_state(optax.adam)`): {_gib(eight.total)} GiB at 7B, "
         f"{eight.total / adam.total:.3f}x of BF16 Adam's; its state is half, and "
@@ -648,6 +658,14 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         "`galore` holds dense gradients, an accumulator and dense updates, so its "
         "total is BF16 Adam's.",
     ]
+
+
+def _fsdp_ratio(results: list[Estimate], model: str) -> float | None:
+    sharded = [r for r in results if r.model == model and r.devices > 1]
+    arms = {r.arm: r.total for r in sharded}
+    if "adam" not in arms or "projected-8bit" not in arms:
+        return None
+    return arms["projected-8bit"] / arms["adam"]
 
 
 def fsdp_table(results: list[Estimate]) -> list[str]:
@@ -802,7 +820,8 @@ def report(
         "Weights, optimiser state, gradients and activations are computed from "
         "shapes: *gradients* is one microbatch's (for the projected arms the "
         "`LowRank` factors, projector included, and the dense gradients of the "
-        "embedding, norms and head), *accumulator* the same again, *activations* the "
+        "embedding, norms and head), *accumulator* the same again (for the projected "
+        "arms the dense leaves' only: their factors are added up in place), *activations* the "
         "block inputs the remat'd scan saves plus the float32 logits and their "
         "gradient. *Rest of temp* is temp minus those three: the optimiser's "
         "intermediates, the updates, and buffers that XLA on CPU keeps in float32 "
@@ -828,7 +847,8 @@ def report(
             f"## FSDP-style data parallel on {FSDP_DEVICES} host devices",
             "",
             "Parameters and optimiser state sharded on their largest axis divisible by "
-            f"{FSDP_DEVICES} (never the layer axis), each microbatch split over the "
+            f"{FSDP_DEVICES} other than the first (the layer axis, or the rows that "
+            "`qto.layerwise` slices), each microbatch split over the "
             f"devices ({MICROBATCH} sequences per device), `jax.jit` with those "
             "shardings (XLA's SPMD partitioner). Bytes per device from "
             "`memory_analysis()`; bytes received per device per step from the "
@@ -843,10 +863,15 @@ def report(
             "and on CPU it promotes bfloat16 collectives to float32. The "
             "projected-8bit step is the library's path as above, with no sharding "
             "annotation inside it: the buffers it creates (the sums of factors, the "
-            "layer loops' carries) are left to the partitioner, and at both sizes "
-            "it holds more per device than BF16 Adam and receives more bytes. "
-            "Sharding those buffers like the weights they belong to is not done "
-            "here.",
+            "layer loops' carries) are left to the partitioner, which replicates "
+            "much of them: per device it holds "
+            + ", ".join(
+                f"{_fsdp_ratio(results, m):.2f}x of BF16 Adam's at {m}"
+                for m in FSDP_MODELS
+                if _fsdp_ratio(results, m) is not None
+            )
+            + ", and it receives more bytes. Sharding those buffers like the "
+            "weights they belong to is not done here.",
             "",
         ]
     return "\n".join(lines)
