@@ -362,6 +362,31 @@ def test_projected_all_reduce_without_check_vma_gathers():
     assert_close(total, expected)
 
 
+def _replicated_weight_problem(rank):
+    """A weight to replicate, a batch to split by rows, and an orthonormal projector
+    of `rank` columns for the weight's cotangent."""
+    w = jnp.asarray(_numpy(0, 8, 16))
+    x = jnp.asarray(_numpy(1, 32, 8))
+    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    return w, x, projector
+
+
+def _tanh_square_sum(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _over_batch_rows(body, w, x):
+    """`body(w, rows of x)` in `shard_map`: `w` replicated, `x` split over "d"."""
+    x_split = jax.sharding.reshard(x, P("d", None))
+    return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(w, x_split)
+
+
+def _compressed_and_dense_grads(loss, w):
+    """`qt.grad(loss)(w)` and `jax.grad(loss)(w)`, both compiled, on the mesh."""
+    with jax.set_mesh(_mesh()):
+        return jax.jit(qt.grad(loss))(w), jax.jit(jax.grad(loss))(w)
+
+
 @needs_devices
 @pytest.mark.parametrize("vary", [False, True])
 def test_mark_inside_the_shard_map_body(vary):
@@ -369,26 +394,19 @@ def test_mark_inside_the_shard_map_body(vary):
     sums the per-device cotangents (`psum_invariant`), which a projected `LowRank`
     with a shared projector does by summing one factor: rank `r` either way."""
     rank = 4
-    w = jnp.asarray(_numpy(0, 8, 16))
-    x = jnp.asarray(_numpy(1, 32, 8))
-    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    w, x, projector = _replicated_weight_problem(rank)
 
     def loss(w):
         def body(w, x):
             if vary:
                 w = qt.device_varying(w, "d")
             w = qt.projected_cotangent(w, rank, projector=projector)
-            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+            return lax.psum(_tanh_square_sum(w, x), "d")
 
-        x_split = jax.sharding.reshard(x, P("d", None))
-        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
-            w, x_split
-        )
+        return _over_batch_rows(body, w, x)
 
-    with jax.set_mesh(_mesh()):
-        grad = jax.jit(qt.grad(loss))(w)
-        dense_path = jax.jit(jax.grad(loss))(w)
-    full = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    grad, dense_path = _compressed_and_dense_grads(loss, w)
+    full = jax.grad(_tanh_square_sum)(w, x)
     assert isinstance(grad, qt.LowRank) and grad.rank == rank
     assert_close(grad, dense_path)
     assert_close(grad, llama.project(full, projector))
@@ -400,24 +418,17 @@ def test_marked_weight_used_inside_the_shard_map_body():
     """The mark outside, the product inside the body: the marked weight crosses
     replicated (`P()`) field by field and its cotangent still comes back low-rank."""
     rank = 4
-    w = jnp.asarray(_numpy(0, 8, 16))
-    x = jnp.asarray(_numpy(1, 32, 8))
-    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    w, x, projector = _replicated_weight_problem(rank)
 
     def loss(w):
         w = qt.projected_cotangent(w, rank, projector=projector)
 
         def body(w, x):
-            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+            return lax.psum(_tanh_square_sum(w, x), "d")
 
-        x_split = jax.sharding.reshard(x, P("d", None))
-        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
-            w, x_split
-        )
+        return _over_batch_rows(body, w, x)
 
-    with jax.set_mesh(_mesh()):
-        grad = jax.jit(qt.grad(loss))(w)
-        dense_path = jax.jit(jax.grad(loss))(w)
+    grad, dense_path = _compressed_and_dense_grads(loss, w)
     assert isinstance(grad, qt.LowRank) and grad.rank == rank
     assert_close(grad, dense_path)
     assert qt.fallback_counts() == {}
