@@ -256,26 +256,34 @@ def test_llama_block_projected_gradients_on_a_data_model_mesh():
     assert qt.fallback_counts() == {}
 
 
+def _switched_loss(params, refresh, tokens, labels, given):
+    """The block's loss with every projection marked by a `Projector` whose refresh
+    flag is an argument, as a training step passes it: one compiled program serves
+    both flags."""
+
+    def marks(name, w):
+        projector = qt.Projector(given[name], refresh)
+        return qt.projected_cotangent(
+            w, given[name].shape[-1], projector=projector, key=jax.random.key(7)
+        )
+
+    return llama.loss(params, tokens, labels, marks)
+
+
+_switched_grad = jax.jit(qt.grad(_switched_loss))
+_switched_dense_grad = jax.jit(jax.grad(_switched_loss))
+
+
 @needs_devices
 @pytest.mark.parametrize("refresh", [True, False])
 def test_llama_block_fresh_and_switched_projectors(refresh):
     rank = 4
     with jax.set_mesh(llama.make_mesh()):
         params = llama.init()
-        tokens, labels = llama.batch()
-        given = llama.projectors(params, rank)
-
-        def marks(name, w):
-            projector = qt.Projector(given[name], jnp.asarray(refresh))
-            return qt.projected_cotangent(
-                w, rank, projector=projector, key=jax.random.key(7)
-            )
-
-        def marked(params):
-            return llama.loss(params, tokens, labels, marks)
-
-        grads = jax.jit(qt.grad(marked))(params)
-        dense_path = jax.jit(jax.grad(marked))(params)
+        args = (jnp.asarray(refresh), *llama.batch(), llama.projectors(params, rank))
+        grads = _switched_grad(params, *args)
+        dense_path = _switched_dense_grad(params, *args)
+        given = args[-1]
     for name in llama.PROJECTIONS:
         g = grads[name]
         (m, n), _ = llama.SHAPES[name]
