@@ -92,8 +92,8 @@ def _maybe_jit(grad, compiled):
 def test_stacked_weights_marked_outside_the_scan(kind, batch, remat):
     params, projectors = stacked_params(batch, M, N), _projectors(batch)
     mark = _mark_all(kind, projectors)
-    # Compiled, as training steps run (eagerly, the checkpointed nested scans cost
-    # ten times as much); the plain body runs eagerly.
+    # Compiled, as training steps run (eagerly, the checkpointed nested scans of a
+    # switched projector cost ten times as much); the plain body runs eagerly.
     compiled = remat
     with qt.fallback("error"):
         grads = _maybe_jit(qt.grad(_loss), compiled)(params, mark, remat)
