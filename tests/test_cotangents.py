@@ -1,7 +1,6 @@
 """Cotangents that are born compressed: `factored_cotangent`, `projected_cotangent`
 and `sparse_rows_cotangent`, checked against dense reference math."""
 
-import pathlib
 import re
 
 import equinox as eqx
@@ -595,22 +594,3 @@ def test_bad_inputs_have_clear_errors():
         qt.Projector(jnp.ones((4, 2)), jnp.ones(2, bool))
     with pytest.raises(ValueError, match="`iters` must be a non-negative int"):
         qt.projected_cotangent(w, 2, iters=-1)
-
-
-def test_the_docs_page_runs():
-    page = pathlib.Path(__file__).parents[1] / "docs" / "cotangents.md"
-    snippets = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    namespace = {}
-    for snippet in snippets:
-        exec(compile(snippet, "docs/cotangents.md", "exec"), namespace)
-    assert isinstance(namespace["g_embedding"], qt.SparseRows)
-    assert namespace["g_embedding"].k == 4
-    assert isinstance(namespace["g_w"], qt.LowRank)
-    assert namespace["projector"].matrix.shape == (32, 4)
-    g_blocks = namespace["g_blocks"]
-    assert g_blocks["w"].left.shape == (3, 16, 4)
-    assert g_blocks["v"].projector_side == "right"
-    assert g_blocks["v"].right.shape == (3, 16, 4)
-    assert namespace["g_chunked"]["w"].left.shape == (3, 16, 4)
-    assert namespace["g_bf16"].dtype == jnp.float32
-    assert namespace["g_sum"].rank == 4

@@ -18,8 +18,10 @@ import difflib
 import pathlib
 import textwrap
 
+import jax.numpy as jnp
 import pytest
 
+import quax_tangents as qt
 from tests.helpers.docs import ROOT, normalise, read_blocks, run_page
 
 
@@ -31,10 +33,31 @@ def _name(page: pathlib.Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+def _cotangents_page_values(namespace: dict) -> None:
+    """What `docs/cotangents.md` computes beyond what it prints, and that nothing on
+    it densifies."""
+    assert qt.fallback_counts() == {}
+    assert isinstance(namespace["g_embedding"], qt.SparseRows)
+    assert namespace["g_embedding"].k == 4
+    assert isinstance(namespace["g_w"], qt.LowRank)
+    assert namespace["projector"].matrix.shape == (32, 4)
+    g_blocks = namespace["g_blocks"]
+    assert g_blocks["w"].left.shape == (3, 16, 4)
+    assert g_blocks["v"].projector_side == "right"
+    assert g_blocks["v"].right.shape == (3, 16, 4)
+    assert namespace["g_chunked"]["w"].left.shape == (3, 16, 4)
+    assert namespace["g_bf16"].dtype == jnp.float32
+    assert namespace["g_sum"].rank == 4
+
+
+# Checks of the values a page leaves behind, by page (pages run in this process).
+PAGE_VALUES = {"docs/cotangents.md": _cotangents_page_values}
+
+
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
 def test_page_runs_and_prints_what_it_shows(page):
     blocks = [block for block in read_blocks(page) if not block.skip]
-    outcomes = run_page(page)
+    outcomes = run_page(page, PAGE_VALUES.get(_name(page)))
     problems = []
     for block, outcome in zip(blocks, outcomes):
         where = f"{_name(page)}:{block.line}"

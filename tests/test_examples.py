@@ -3,6 +3,7 @@
 
 import ast
 import importlib.metadata
+import json
 import pathlib
 import re
 import runpy
@@ -12,6 +13,8 @@ import tomllib
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.helpers.scripts import run_in_checkout
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -115,20 +118,7 @@ print(json.dumps(facts))
 
 def test_multi_device_examples_explain_every_option_and_write_quick_runs_aside():
     # A subprocess: importing them sets XLA_FLAGS for 8 host devices.
-    import json
-    import os
-    import subprocess
-
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", _HELP_FACTS],
-        cwd=ROOT,
-        env=os.environ | {"PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_in_checkout("-c", _HELP_FACTS)
     for name, facts in json.loads(result.stdout.splitlines()[-1]).items():
         # The whole first paragraph of the docstring: a sentence, not half of one.
         first_paragraph = " ".join(facts["docstring"].split("\n\n")[0].split())

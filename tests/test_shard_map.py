@@ -86,7 +86,8 @@ def test_entry_points_trace_a_shard_map_inside_the_loss():
         return _cross_entropy(x @ w, labels)
 
     with jax.set_mesh(_mesh()):
-        expected_value, expected = jax.value_and_grad(loss)(w)
+        # The references compiled (eagerly, they cost as much as the entry points).
+        expected_value, expected = jax.jit(jax.value_and_grad(loss))(w)
         assert_close(qt.grad(loss)(w), expected)
         value, grad = jax.jit(qt.value_and_grad(loss))(w)
         assert_close(value, expected_value)
@@ -94,7 +95,7 @@ def test_entry_points_trace_a_shard_map_inside_the_loss():
         out, pullback = qt.vjp(loss, w)
         assert_close(pullback(jnp.ones(()))[0], expected)
         tangent = jnp.asarray(_numpy(2, 8, 16))
-        _, expected_t = jax.jvp(loss, (w,), (tangent,))
+        _, expected_t = jax.jit(lambda t: jax.jvp(loss, (w,), (t,)))(tangent)
         _, t_out = qt.jvp(loss, (w,), (tangent,))
         assert_close(t_out, expected_t)
     assert qt.fallback_counts() == {}
@@ -281,26 +282,34 @@ def test_llama_block_projected_gradients_on_a_data_model_mesh():
     assert qt.fallback_counts() == {}
 
 
+def _switched_loss(params, refresh, tokens, labels, given):
+    """The block's loss with every projection marked by a `Projector` whose refresh
+    flag is an argument, as a training step passes it: one compiled program serves
+    both flags."""
+
+    def marks(name, w):
+        projector = qt.Projector(given[name], refresh)
+        return qt.projected_cotangent(
+            w, given[name].shape[-1], projector=projector, key=jax.random.key(7)
+        )
+
+    return llama.loss(params, tokens, labels, marks)
+
+
+_switched_grad = jax.jit(qt.grad(_switched_loss))
+_switched_dense_grad = jax.jit(jax.grad(_switched_loss))
+
+
 @needs_devices
 @pytest.mark.parametrize("refresh", [True, False])
 def test_llama_block_fresh_and_switched_projectors(refresh):
     rank = 4
     with jax.set_mesh(llama.make_mesh()):
         params = llama.init()
-        tokens, labels = llama.batch()
-        given = llama.projectors(params, rank)
-
-        def marks(name, w):
-            projector = qt.Projector(given[name], jnp.asarray(refresh))
-            return qt.projected_cotangent(
-                w, rank, projector=projector, key=jax.random.key(7)
-            )
-
-        def marked(params):
-            return llama.loss(params, tokens, labels, marks)
-
-        grads = jax.jit(qt.grad(marked))(params)
-        dense_path = jax.jit(jax.grad(marked))(params)
+        args = (jnp.asarray(refresh), *llama.batch(), llama.projectors(params, rank))
+        grads = _switched_grad(params, *args)
+        dense_path = _switched_dense_grad(params, *args)
+        given = args[-1]
     for name in llama.PROJECTIONS:
         g = grads[name]
         (m, n), _ = llama.SHAPES[name]
@@ -387,6 +396,31 @@ def test_projected_all_reduce_without_check_vma_gathers():
     assert_close(total, expected)
 
 
+def _replicated_weight_problem(rank):
+    """A weight to replicate, a batch to split by rows, and an orthonormal projector
+    of `rank` columns for the weight's cotangent."""
+    w = jnp.asarray(_numpy(0, 8, 16))
+    x = jnp.asarray(_numpy(1, 32, 8))
+    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    return w, x, projector
+
+
+def _tanh_square_sum(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _over_batch_rows(body, w, x):
+    """`body(w, rows of x)` in `shard_map`: `w` replicated, `x` split over "d"."""
+    x_split = jax.sharding.reshard(x, P("d", None))
+    return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(w, x_split)
+
+
+def _compressed_and_dense_grads(loss, w):
+    """`qt.grad(loss)(w)` and `jax.grad(loss)(w)`, both compiled, on the mesh."""
+    with jax.set_mesh(_mesh()):
+        return jax.jit(qt.grad(loss))(w), jax.jit(jax.grad(loss))(w)
+
+
 @needs_devices
 @pytest.mark.parametrize("vary", [False, True])
 def test_mark_inside_the_shard_map_body(vary):
@@ -394,26 +428,19 @@ def test_mark_inside_the_shard_map_body(vary):
     sums the per-device cotangents (`psum_invariant`), which a projected `LowRank`
     with a shared projector does by summing one factor: rank `r` either way."""
     rank = 4
-    w = jnp.asarray(_numpy(0, 8, 16))
-    x = jnp.asarray(_numpy(1, 32, 8))
-    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    w, x, projector = _replicated_weight_problem(rank)
 
     def loss(w):
         def body(w, x):
             if vary:
                 w = qt.device_varying(w, "d")
             w = qt.projected_cotangent(w, rank, projector=projector)
-            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+            return lax.psum(_tanh_square_sum(w, x), "d")
 
-        x_split = jax.sharding.reshard(x, P("d", None))
-        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
-            w, x_split
-        )
+        return _over_batch_rows(body, w, x)
 
-    with jax.set_mesh(_mesh()):
-        grad = jax.jit(qt.grad(loss))(w)
-        dense_path = jax.jit(jax.grad(loss))(w)
-    full = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    grad, dense_path = _compressed_and_dense_grads(loss, w)
+    full = jax.grad(_tanh_square_sum)(w, x)
     assert isinstance(grad, qt.LowRank) and grad.rank == rank
     assert_close(grad, dense_path)
     assert_close(grad, llama.project(full, projector))
@@ -425,24 +452,17 @@ def test_marked_weight_used_inside_the_shard_map_body():
     """The mark outside, the product inside the body: the marked weight crosses
     replicated (`P()`) field by field and its cotangent still comes back low-rank."""
     rank = 4
-    w = jnp.asarray(_numpy(0, 8, 16))
-    x = jnp.asarray(_numpy(1, 32, 8))
-    projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
+    w, x, projector = _replicated_weight_problem(rank)
 
     def loss(w):
         w = qt.projected_cotangent(w, rank, projector=projector)
 
         def body(w, x):
-            return lax.psum(jnp.sum(jnp.tanh(x @ w) ** 2), "d")
+            return lax.psum(_tanh_square_sum(w, x), "d")
 
-        x_split = jax.sharding.reshard(x, P("d", None))
-        return jax.shard_map(body, in_specs=(P(), P("d", None)), out_specs=P())(
-            w, x_split
-        )
+        return _over_batch_rows(body, w, x)
 
-    with jax.set_mesh(_mesh()):
-        grad = jax.jit(qt.grad(loss))(w)
-        dense_path = jax.jit(jax.grad(loss))(w)
+    grad, dense_path = _compressed_and_dense_grads(loss, w)
     assert isinstance(grad, qt.LowRank) and grad.rank == rank
     assert_close(grad, dense_path)
     assert qt.fallback_counts() == {}

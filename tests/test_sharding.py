@@ -12,6 +12,9 @@ from quax_tangents import _projection, _sharding
 from tests.helpers import assert_close
 
 
+_orthonormal_columns = jax.jit(_sharding.orthonormal_columns)
+
+
 def _orthonormality_error(q) -> float:
     q = np.asarray(q, np.float64)
     live = np.linalg.norm(q, axis=0) > 0
@@ -35,7 +38,9 @@ def test_orthonormal_columns_spans_what_qr_spans(m, w, seed, log_scale):
     w = min(w, m)
     y = np.random.default_rng(seed).standard_normal((m, w)) * 10.0**log_scale
     y = jnp.asarray(y, jnp.float32)
-    q = _sharding.orthonormal_columns(y)
+    # Compiled, as projections run it (one program per drawn shape instead of one per
+    # operation); the other tests here run it eagerly.
+    q = _orthonormal_columns(y)
     q_qr = jnp.linalg.qr(y)[0]
     assert q.shape == y.shape and q.dtype == y.dtype
     assert _orthonormality_error(q) < 5e-6

@@ -30,6 +30,7 @@ import tempfile
 import textwrap
 import traceback
 import warnings
+from collections.abc import Callable
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -109,9 +110,12 @@ def needs_fresh_process(blocks: list[Block]) -> bool:
     return any("XLA_FLAGS" in block.code for block in blocks if not block.skip)
 
 
-def run_blocks(blocks: list[Block], filename: str) -> list[Outcome]:
+def run_blocks(
+    blocks: list[Block], filename: str, check: Callable[[dict], None] | None = None
+) -> list[Outcome]:
     """Runs the blocks that are not skipped in one namespace, from the repository
-    root; stops at the first block that raises."""
+    root; stops at the first block that raises. `check(namespace)`, if given, runs
+    after the last block when none raised, before the fallback counters are reset."""
     import quax_tangents as qt
 
     namespace: dict = {"__name__": "__main__"}
@@ -139,18 +143,24 @@ def run_blocks(blocks: list[Block], filename: str) -> list[Outcome]:
                 outcomes.append(Outcome(block.line, printed.getvalue(), error))
                 if error is not None:
                     break
+        if check is not None and all(o.error is None for o in outcomes):
+            check(namespace)
     finally:
         os.chdir(cwd)
         qt.reset_fallback_counts()
     return outcomes
 
 
-def run_page(path: pathlib.Path) -> list[Outcome]:
-    """Runs a page's blocks, in a fresh process when it sets `XLA_FLAGS`."""
+def run_page(
+    path: pathlib.Path, check: Callable[[dict], None] | None = None
+) -> list[Outcome]:
+    """Runs a page's blocks, in a fresh process when it sets `XLA_FLAGS`; `check`
+    as in `run_blocks`, for pages that run in this process only."""
     blocks = read_blocks(path)
     filename = str(path.relative_to(ROOT))
     if not needs_fresh_process(blocks):
-        return run_blocks(blocks, filename)
+        return run_blocks(blocks, filename, check)
+    assert check is None, f"{filename} runs in a fresh process: nothing to check"
     pythonpath = os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
     )

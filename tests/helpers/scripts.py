@@ -1,4 +1,4 @@
-"""Running a benchmark or example script as a user does."""
+"""Running a benchmark or example script, or a snippet of Python, as a user does."""
 
 import os
 import pathlib
@@ -9,17 +9,17 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_script(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    """Runs `python <script> <args>` from the repository root, as the README and
-    `nox -s bench` do, with this checkout's package importable; fails the test with
-    the script's stderr if it exits non-zero.
+def run_in_checkout(*args: str) -> subprocess.CompletedProcess:
+    """Runs `python <args>` from the repository root with this checkout's package
+    importable; fails the test with the process's stderr if it exits non-zero.
 
     A subprocess, not `runpy`: the scripts set the fallback mode and reset the global
-    fallback counters, which must not leak into other tests.
+    fallback counters, and some set `XLA_FLAGS` at import; none of it must leak into
+    other tests.
     """
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, str(script.relative_to(ROOT)), *args],
+        [sys.executable, *args],
         cwd=ROOT,
         env=os.environ | {"PYTHONPATH": path},
         capture_output=True,
@@ -28,3 +28,9 @@ def run_script(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def run_script(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """Runs `python <script> <args>` as the README and `nox -s bench` do (see
+    `run_in_checkout`)."""
+    return run_in_checkout(str(script.relative_to(ROOT)), *args)

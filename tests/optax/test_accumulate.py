@@ -204,17 +204,6 @@ def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
         multi.update(grads, state, params)
 
 
-def _stacked_marks() -> bool:
-    try:
-        jax.eval_shape(lambda w: qt.projected_cotangent(w, 1), jnp.zeros((2, 3, 4)))
-    except ValueError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(
-    not _stacked_marks(), reason="projected_cotangent does not take stacked weights"
-)
 def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
     rng = np.random.default_rng(4)
     params = {

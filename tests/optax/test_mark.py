@@ -139,14 +139,6 @@ def test_mark_takes_the_whole_module_and_a_chained_state():
         qto.mark(params, optax.scale_by_adam().init(params))
 
 
-def _stacked_marks() -> bool:
-    try:
-        jax.eval_shape(lambda w: qt.projected_cotangent(w, 1), jnp.zeros((2, 3, 4)))
-    except ValueError:
-        return False
-    return True
-
-
 class Block(eqx.Module):
     up: eqx.nn.Linear
     down: eqx.nn.Linear
@@ -175,9 +167,6 @@ class Scanned(eqx.Module):
         return jax.lax.scan(layer, x, dynamic)[0]
 
 
-@pytest.mark.skipif(
-    not _stacked_marks(), reason="projected_cotangent does not take stacked weights"
-)
 def test_mark_on_a_scanned_equinox_model():
     params, static = eqx.partition(Scanned(jax.random.key(1)), eqx.is_inexact_array)
     # Stacked biases are (layers, d): matrices by shape, so select the weights.
