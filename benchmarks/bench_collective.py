@@ -550,6 +550,11 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
         *matrix_rows,
         "",
     ]
+    return _publish(out, lines)
+
+
+def _publish(out: pathlib.Path, lines: list[str]) -> str:
+    """Writes the report to `out`, prints it and returns it."""
     text = "\n".join(lines)
     out.write_text(text)
     print(text)
@@ -604,10 +609,7 @@ def run_step_times(quick: bool, out: pathlib.Path, runs: int) -> str:
         *rows,
         "",
     ]
-    text = "\n".join(lines)
-    out.write_text(text)
-    print(text)
-    return text
+    return _publish(out, lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

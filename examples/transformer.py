@@ -547,17 +547,24 @@ def memory_row(name: str, m: Memory) -> str:
     )
 
 
-def report(runs: list[Run], ratios, config, params, chars, quick) -> str:
-    lines = [
-        "# A scanned character-level transformer trained four ways",
+def _header(title: str, how: str) -> list[str]:
+    """A results file's title, the command that produced it and the machine."""
+    return [
+        f"# {title}",
         "",
-        "Produced by:",
+        f"Produced by{how}:",
         "",
         "```",
         "python " + shlex.join(sys.argv),
         "```",
         "",
         f"- {environment()}",
+    ]
+
+
+def report(runs: list[Run], ratios, config, params, chars, quick) -> str:
+    lines = [
+        *_header("A scanned character-level transformer trained four ways", ""),
         f"- Model: {describe(config, params)}",
         f"- Data: {chars:,} characters of the source of {', '.join(MODULES)}; "
         f"{config.steps} steps; learning rate {config.learning_rate}.",
@@ -707,15 +714,10 @@ def memory_report(result: MemoryResult) -> str:
     steady = result.steady_temp[ARMS[2]]
     extra = projected.temp - steady
     lines = [
-        "# Memory of the training step of a scanned transformer",
-        "",
-        "Produced by (compile only: nothing is run):",
-        "",
-        "```",
-        "python " + shlex.join(sys.argv),
-        "```",
-        "",
-        f"- {environment()}",
+        *_header(
+            "Memory of the training step of a scanned transformer",
+            " (compile only: nothing is run)",
+        ),
         f"- Model: {describe(result.config, result.params)}",
         "- `memory_analysis()` of each training step, jitted with the parameters and "
         "state donated and lowered on `jax.eval_shape` inputs; total = temp + "

@@ -539,3 +539,40 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
         assert got.projector_side == ("left" if m <= n else "right")
         assert_close(basis, projector, dtype)
         assert_close(factor, expected, dtype, factor=4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([(), (3,)]),
+    sides=st.sampled_from([(4, 7), (7, 4)]),
+)
+def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
+    seed, batch, sides
+):
+    # `finish` with source "sketch_key" draws each slice's test matrix `Ω` from its
+    # key, as the range finder does, and gives `LowRank(G Ω, Ω)` (`(Ω, G^T Ω)` for a
+    # tall weight): checked against the dense product with the same draws.
+    from quax_tangents._projection import Finish, project_outer, test_matrix
+    from quax_tangents._types.outer import OuterSum
+
+    m, n = sides
+    small, large, rank = min(m, n), max(m, n), 2
+    left, right = (
+        random_array(seed, (*batch, m, 5)),
+        random_array(seed + 1, (*batch, n, 5)),
+    )
+    keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(batch))))
+    keys = keys.reshape(batch) if batch else keys[0]
+    got = project_outer(
+        Finish("projected", rank, 0, "sketch_key", "threefry2x32", 4),
+        OuterSum(left, right),
+        (jax.random.key_data(keys),),
+    )
+    draw = lambda k: test_matrix(k, (small, large), rank, 4)  # noqa: E731
+    omega = jax.vmap(draw)(keys) if batch else draw(keys)
+    dense = jnp.einsum("...ik,...jk->...ij", left, right)
+    wide = dense if m <= n else jnp.swapaxes(dense, -1, -2)
+    sketch, test = (got.left, got.right) if m <= n else (got.right, got.left)
+    assert_close(test, omega)
+    assert_close(sketch, wide @ omega, factor=4)

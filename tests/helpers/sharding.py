@@ -48,6 +48,11 @@ def _reshard():
     return draw()
 
 
+def _on_one_device(body, x):
+    """`body(x)` inside `shard_map` over the one-device mesh, replicated in and out."""
+    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(x)
+
+
 def _summed_over_devices(x):
     """`x` scaled by a device-varying scalar, then summed over the one device: the
     scalar varies, so `lax.psum` binds `psum_invariant` on the LowRank."""
@@ -55,7 +60,7 @@ def _summed_over_devices(x):
     def body(a):
         return lax.psum(a * (lax.axis_index(AXIS) + 1).astype(a.dtype), AXIS)
 
-    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(x)
+    return _on_one_device(body, x)
 
 
 @case("psum_invariant", "LowRank")
@@ -71,7 +76,7 @@ def _varied(x):
     def body(a):
         return lax.psum(qt.device_varying(a, AXIS), AXIS)
 
-    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(x)
+    return _on_one_device(body, x)
 
 
 @case("pvary", "LowRank")
@@ -89,7 +94,7 @@ def _marked_varied(w):
         eye = jnp.eye(a.shape[-1], dtype=a.dtype)
         return lax.psum(qt.device_varying(a, AXIS) @ eye, AXIS)
 
-    return jax.shard_map(body, mesh=one_device_mesh(), in_specs=P(), out_specs=P())(w)
+    return _on_one_device(body, w)
 
 
 @case("pvary", "Marked")
