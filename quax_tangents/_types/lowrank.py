@@ -319,8 +319,29 @@ def truncate(left: Array, right: Array, rank: int) -> tuple[Array, Array]:
     return new_left.astype(dtype), new_right.astype(dtype)
 
 
-def within_budget(primitive: Any, left: Array, right: Array) -> LowRank | Array:
-    """Builds the LowRank of concatenated factors, applying the rank budget."""
+# Projected gradients meet in a sum of different projector arrays where a loop carry
+# or a `vmap` axis copies the projector, or where each microbatch drew its own.
+_PROJECTIONS_HINT = (
+    "; these are projected gradients whose projectors are different arrays (a "
+    "`vmap` axis or a loop carry copies the projector, and on refresh steps each "
+    "microbatch draws its own), so their sum is no longer a projection: sum "
+    "microbatches with `quax_tangents.optax.accumulate_gradients`, which keeps one "
+    "projector per step and adds the small factors"
+)
+
+
+def _projections_hint(*values: LowRank) -> str:
+    """The hint for sums of projections, when every operand is one."""
+    if all(v.projector_side is not None for v in values):
+        return _PROJECTIONS_HINT
+    return ""
+
+
+def within_budget(
+    primitive: Any, left: Array, right: Array, hint: str = ""
+) -> LowRank | Array:
+    """Builds the LowRank of concatenated factors, applying the rank budget. `hint`
+    ends the densification's reason."""
     rank, (m, n) = left.shape[-1], (left.shape[-2], right.shape[-2])
     action, max_rank = budget_settings()
     limit = (
@@ -335,7 +356,8 @@ def within_budget(primitive: Any, left: Array, right: Array) -> LowRank | Array:
     return _dense_from_factors(
         primitive,
         product,
-        f"rank {rank} is over the budget for {m}x{n}; see `quax_tangents.rank_budget`",
+        f"rank {rank} is over the budget for {m}x{n}; see `quax_tangents.rank_budget`"
+        + hint,
     )
 
 
@@ -384,32 +406,50 @@ def _mul_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
     lax.mul broadcasts size-1 dims, so `x * v` reaches us as shape (..., 1, n) or
     (..., m, 1). A full (..., m, n) operand has no low-rank product.
     """
+    return _scaled(jax.lax.mul_p, jnp.multiply, x, y, params)
+
+
+@rule(jax.lax.div_p)
+def _div_dense(x: LowRank, y: ArrayLike, **params: Any) -> LowRank | Array:
+    """`x / y` for a dense scalar, row or column vector `y` (as `jnp.mean` divides a
+    sum): one factor divided, as for `mul`."""
+    return _scaled(jax.lax.div_p, jnp.divide, x, y, params)
+
+
+_OP_NAMES = {jax.lax.mul_p: "product with", jax.lax.div_p: "quotient by"}
+
+
+def _scaled(
+    primitive: Any, op: Any, x: LowRank, y: ArrayLike, params: dict
+) -> LowRank | Array:
+    """`op(x, y)` (a product or a quotient) for a dense scalar, row or column `y`,
+    applied to one factor; a full matrix `y` is densified."""
     y = jnp.asarray(y)
     if y.ndim == 0:
         y = y.astype(x.dtype)
         if x.projector_side is not None:
-            return _scale_other(x, lambda f: f * y)
+            return _scale_other(x, lambda f: op(f, y))
         # Scale the factor that already varies over the mesh axes `y` varies over
         # (inside `shard_map`), so that the other keeps its narrower type.
         extra = varying_axes(y)
         if extra - varying_axes(x.left) and not extra - varying_axes(x.right):
-            return _lowrank(x.left, x.right * y)
-        return _lowrank(x.left * y, x.right)
+            return _lowrank(x.left, op(x.right, y))
+        return _lowrank(op(x.left, y), x.right)
     out_shape = jnp.broadcast_shapes(x.shape, y.shape)
     rows, cols = y.shape[-2:] if y.ndim >= 2 else (1, y.shape[-1])
     if rows != 1 and cols != 1:
         return densify(
-            jax.lax.mul_p,
+            primitive,
             [x, y],
             params,
-            reason="elementwise product with a full matrix",
+            reason=f"elementwise {_OP_NAMES[primitive]} a full matrix",
         )
     left, right = _broadcast_factors(x, out_shape)
     y = jnp.broadcast_to(y, (*out_shape[:-2], rows, cols)).astype(x.dtype)
     if cols == 1:
-        left = left * y
+        left = op(left, y)
     else:
-        right = right * jnp.swapaxes(y, -1, -2)
+        right = op(right, jnp.swapaxes(y, -1, -2))
     return _lowrank(left, right)
 
 
@@ -450,7 +490,7 @@ def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
     y_left = -y_left if primitive is jax.lax.sub_p else y_left
     left = jnp.concatenate([x_left, y_left], axis=-1)
     right = jnp.concatenate([x_right, y_right], axis=-1)
-    return within_budget(primitive, left, right)
+    return within_budget(primitive, left, right, _projections_hint(x, y))
 
 
 @rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
@@ -574,7 +614,9 @@ def _reduce_sum(x: LowRank, *, axes: tuple[int, ...], **params: Any) -> LowRank 
 
         left, right = gather(left), gather(right)
         if not matrix_axes:
-            return within_budget(jax.lax.reduce_sum_p, left, right)
+            return within_budget(
+                jax.lax.reduce_sum_p, left, right, _projections_hint(x)
+            )
     if matrix_axes == (x.ndim - 2, x.ndim - 1):
         result = jnp.einsum("...mr,...nr->...", left, right)
     elif matrix_axes == (x.ndim - 1,):

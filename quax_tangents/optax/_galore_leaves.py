@@ -218,6 +218,14 @@ def project_dense(
     return projector, g @ projector
 
 
+NOT_A_PROJECTION_SUM = (
+    "A sum of projected gradients whose projectors are different arrays (summed "
+    "over a `vmap` axis or in a loop carry, which copy the projector, or drawn per "
+    "microbatch on a refresh step) is not a projection either: accumulate "
+    "microbatches with `quax_tangents.optax.accumulate_gradients`."
+)
+
+
 def split_low_rank(grad: LowRank, plan: LeafPlan, where: str) -> tuple[Array, Array]:
     """(projector, small factor) of a projected gradient, after checking that it is
     one: tagged by `projected_cotangent`, on the side and at the rank planned."""
@@ -232,7 +240,7 @@ def split_low_rank(grad: LowRank, plan: LeafPlan, where: str) -> tuple[Array, Ar
             f"{where}: a LowRank gradient that is not a projection (its "
             "`projector_side` is None, as for `factored_cotangent` or `low_rank`) for "
             f"a projected leaf; its factors are not a projector and a small factor. "
-            f"{fix}"
+            f"{fix} {NOT_A_PROJECTION_SUM}"
         )
     if plan.side == "left":
         got = (grad.left, grad.right)

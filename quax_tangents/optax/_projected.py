@@ -18,6 +18,7 @@ from ._common import Filter, check_int
 from ._galore_leaves import (
     DimsSpec,
     LeafPlan,
+    NOT_A_PROJECTION_SUM,
     make_plan,
     project_dense,
     rebuild,
@@ -310,7 +311,8 @@ def _unprojected_low_rank(grad: LowRank, rank: int, where: str) -> str:
             "projection (from `factored_cotangent` or `low_rank`) for a leaf it does "
             f"not project. {_ONLY}. Wrap a dense optimiser in "
             "`quax_tangents.optax.lift`, or mark the weight with "
-            "`quax_tangents.optax.mark(params, state)`."
+            "`quax_tangents.optax.mark(params, state)`. "
+            f"{NOT_A_PROJECTION_SUM}"
         )
     return (
         f"{where}: got a projected LowRank gradient of shape {shape} for a leaf "

@@ -66,7 +66,7 @@ def _convert():
 
 
 @st.composite
-def _scaled(draw, lowrank_first):
+def _scaled(draw, lowrank_first, divide=False):
     x = draw(lowrank_values())
     *lead, m, n = x.shape
     kind = draw(st.sampled_from(["scalar", "row", "column", "corner"]))
@@ -77,6 +77,10 @@ def _scaled(draw, lowrank_first):
         "corner": (*lead, 1, 1),
     }[kind]
     y = random_array(draw(seeds()), y_shape, x.dtype)
+    if divide:
+        # Away from zero, so that the quotient's rounding stays at the dtype's scale.
+        y = (jnp.sign(y) + (y == 0)) * (1 + jnp.abs(y))
+        return Case(jax.lax.div, (x, y), x.dtype, qt.LowRank, factor=2.0)
     if lowrank_first:
         return Case(jax.lax.mul, (x, y), x.dtype, qt.LowRank, factor=2.0)
     return Case(jax.lax.mul, (y, x), x.dtype, qt.LowRank, factor=2.0)
@@ -90,6 +94,11 @@ def _mul_right():
 @case("mul", "dense", "LowRank")
 def _mul_left():
     return _scaled(False)
+
+
+@case("div", "LowRank", "dense")
+def _div():
+    return _scaled(True, divide=True)
 
 
 @st.composite

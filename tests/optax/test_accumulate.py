@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import quax
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
@@ -202,6 +203,51 @@ def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
     grads = {"w": qt.LowRank(p, jnp.ones((10, RANK)), "left")}
     with pytest.raises((TypeError, ValueError)):
         multi.update(grads, state, params)
+
+
+def _user_loop_case():
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.asarray(rng.standard_normal((24, 20)), jnp.float32) * 0.3}
+    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=0.1)
+    x = jnp.asarray(rng.standard_normal((K, B, 24)), jnp.float32)
+
+    def loss(p, xb):
+        return jnp.sum(jnp.tanh(xb @ p["w"]) ** 2)
+
+    return params, tx, tx.init(params), x, loss
+
+
+def test_a_mean_over_a_vmap_axis_of_marked_gradients_names_accumulate_gradients():
+    # vmap copies the projector along its axis, so the mean concatenates K
+    # projections (rank K * RANK): no longer one projection, and refused by name.
+    params, tx, state, x, loss = _user_loop_case()
+
+    def mean_grads(params, state, x):
+        marked = lambda p, xb: loss(qto.mark(p, state), xb)
+        grads = jax.vmap(lambda xb: qt.grad(marked)(params, xb))(x)
+        return quax.quaxify(lambda g: jax.tree.map(lambda a: a.mean(0), g))(grads)
+
+    grads = jax.jit(mean_grads)(params, state, x)
+    assert grads["w"].rank == K * RANK and grads["w"].projector_side is None
+    with pytest.raises(TypeError, match="accumulate_gradients"):
+        tx.update(grads, state, params)
+    # Over the budget it densifies, counted, with the same pointer (traced anew: a
+    # jitted function's cache does not key on the fallback mode).
+    with qt.rank_budget(max_rank=RANK), qt.fallback("error"):
+        with pytest.raises(qt.DensificationError, match="accumulate_gradients"):
+            mean_grads(params, state, x)
+
+
+def test_a_scan_carry_of_marked_gradients_names_accumulate_gradients():
+    params, tx, state, x, loss = _user_loop_case()
+    marked = lambda p, xb: loss(qto.mark(p, state), xb)
+
+    def body(acc, xb):
+        grads = qt.grad(marked)(params, xb)
+        return quax.quaxify(lambda a, g: jax.tree.map(jnp.add, a, g))(acc, grads), None
+
+    with pytest.raises(TypeError, match="accumulate_gradients"):
+        jax.lax.scan(body, qt.grad(marked)(params, x[0]), x[1:])
 
 
 def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
