@@ -221,6 +221,19 @@ def _mul_dense_left(y: ArrayLike, x: SparseRows, **params: Any) -> SparseRows | 
     return _scale(x, y, params)
 
 
+@rule(jax.lax.div_p)
+def _div_dense(x: SparseRows, y: ArrayLike, **params: Any) -> SparseRows | Array:
+    """`x / y` for a scalar `y` (as `jnp.mean` divides a sum): the stored rows
+    divided. An array divisor is densified: the rows not stored would be `0 / y`,
+    which is not zero where `y` is."""
+    y = jnp.asarray(y)
+    if y.size != 1 or jnp.result_type(x.rows, y) != x.dtype:
+        return densify(
+            jax.lax.div_p, [x, y], params, reason="a quotient by an array"
+        )
+    return SparseRows.build(x.indices, x.rows / y.reshape(()), x.num_rows)
+
+
 @rule(jax.lax.neg_p)
 def _neg(x: SparseRows) -> SparseRows:
     return SparseRows.build(x.indices, -x.rows, x.num_rows)

@@ -82,6 +82,20 @@ def _mul_left():
     return _scaled(False)
 
 
+@case("div", "SparseRows", "dense")
+def _div():
+    @st.composite
+    def draw_case(draw):
+        x = draw(rows_values())
+        shape = draw(st.sampled_from([(), (1,) * x.ndim]))
+        y = random_array(draw(seeds()), shape, x.dtype)
+        # Away from zero, as a mean's count is.
+        y = (jnp.sign(y) + (y == 0)) * (1 + jnp.abs(y))
+        return Case(jax.lax.div, (x, y), x.dtype, qt.SparseRows, factor=2.0)
+
+    return draw_case()
+
+
 @st.composite
 def _pair(draw, fn):
     x = draw(rows_values())
