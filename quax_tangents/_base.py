@@ -4,7 +4,7 @@ import abc
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -23,12 +23,21 @@ from ._lax import add_any_p
 from ._registry import rule
 
 
-class _CompressedMeta(type(quax.ArrayValue)):
+class _ReprMeta(type(quax.ArrayValue)):
     # JAX's pytree-structure errors name a node by its class's repr ("the full pytree
     # has a subtree of type <class ...>"): where generic code meets a compressed value
     # that way, the error then says what to use instead.
     def __repr__(cls) -> str:
         return f"<class '{cls.__module__}.{cls.__qualname__}', {GUARD_MESSAGE}>"
+
+
+# Type checkers cannot follow a metaclass derived from `type(...)`, and then read
+# every constructor as taking no positional arguments: show them plain `type`, so
+# that equinox's dataclass fields give the signatures.
+if TYPE_CHECKING:
+    _CompressedMeta = type
+else:
+    _CompressedMeta = _ReprMeta
 
 
 class CompressedArray(quax.ArrayValue, metaclass=_CompressedMeta):
