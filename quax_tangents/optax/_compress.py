@@ -255,6 +255,7 @@ def compress(
             return _dense(emitted(c, how), v), c.materialise(), server_error
         struct = jax.ShapeDtypeStruct(v.shape, v.dtype)
         codec = _chunk_codec(jax.eval_shape(compressor, struct))
+        assert codec is not None  # "two_phase" is chosen for chunked values only
         out = two_phase_sum(v, codec, axis_name, mean=True, server_error=server_error)
         return out.total, out.sent, out.server_error
 

@@ -4,7 +4,7 @@ its smaller side."""
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import equinox as eqx
 import jax
@@ -90,7 +90,7 @@ def _dims_per_leaf(dims: DimsSpec, params: PyTree) -> list[Dims | None]:
     if dims is None:
         return [None] * len(leaves)
     if callable(dims) and not isinstance(dims, eqx.Module):
-        return [dims(leaf) for leaf in leaves]
+        return [cast("Dims | None", dims(leaf)) for leaf in leaves]
     is_pair = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
     default = object()  # None would vanish from the leaves below
     try:
@@ -109,7 +109,7 @@ def _dims_per_leaf(dims: DimsSpec, params: PyTree) -> list[Dims | None]:
             "prefix of it)."
         ) from error
     leaves = jtu.tree_leaves(expanded, is_leaf=is_pair)
-    return [None if d is default else d for d in leaves]
+    return [None if d is default else cast(Dims, d) for d in leaves]
 
 
 def _check_dims(dims: Any, shape: tuple[int, ...], where: str) -> Dims:

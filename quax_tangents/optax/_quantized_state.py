@@ -328,10 +328,10 @@ def quantized_state(
         return QuantizedState(count, encode(tx.init(params), count))
 
     def update(
-        updates: PyTree, state: QuantizedState, params: PyTree = None, **extra: Any
+        updates: PyTree, state: Any, params: PyTree = None, **extra: Any
     ) -> tuple[PyTree, QuantizedState]:
         updates, inner = tx.update(updates, decode(state.inner), params, **extra)
-        count = optax.safe_int32_increment(state.count)
+        count = jnp.asarray(optax.safe_int32_increment(state.count))
         return updates, QuantizedState(count, encode(inner, count))
 
     return optax.GradientTransformationExtraArgs(init, update)
