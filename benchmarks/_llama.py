@@ -123,8 +123,17 @@ def _block(config: LlamaConfig, h, w):
     return h + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
 
 
-def loss(config: LlamaConfig, params: dict, tokens, projectors=None):
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def loss(config: LlamaConfig, params: dict, tokens, projectors=None, batch=None):
     """Mean next-token cross-entropy of `tokens` `(batch, seq + 1)`.
+
+    `batch`: a sharding of the activations along their batch dim, or None. FSDP
+    code pins the residual stream to it at every block (as MaxText's and Levanter's
+    activation constraints do), so that the partitioner gathers each layer's weights
+    rather than the activations.
 
     With `projectors` (per block matrix, a `(matrix, refresh)` pair of arrays stacked
     over the layers: `(layers, min(m, n), rank)` and `(layers,)`), each layer's slice
@@ -133,7 +142,7 @@ def loss(config: LlamaConfig, params: dict, tokens, projectors=None):
     stacked `LowRank` factors of the projection.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    h = params["embed"][inputs]
+    h = _constrain(params["embed"][inputs], batch)
 
     def body(h, layer):
         w, marks = layer
@@ -144,7 +153,7 @@ def loss(config: LlamaConfig, params: dict, tokens, projectors=None):
                 w[name] = qt.projected_cotangent(
                     w[name], config.rank, projector=projector
                 )
-        return _block(config, h, w), None
+        return _constrain(_block(config, _constrain(h, batch), w), batch), None
 
     h, _ = jax.lax.scan(jax.checkpoint(body), h, (params["blocks"], projectors))
     h = _rms_norm(h, params["final_norm"])

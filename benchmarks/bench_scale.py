@@ -179,15 +179,15 @@ def init_state(config: LlamaConfig, arm: str, params: dict):
 # Gradients, accumulated over the microbatches
 
 
-def dense_gradients(config: LlamaConfig, params: dict, tokens):
+def dense_gradients(config: LlamaConfig, params: dict, tokens, activations=None):
     """Mean loss and gradients over the microbatches `tokens[i]`, accumulated in the
     parameters' dtype."""
 
     def body(carry, batch):
         total, acc = carry
-        value, grads = jax.value_and_grad(functools.partial(loss, config))(
-            params, batch
-        )
+        value, grads = jax.value_and_grad(
+            functools.partial(loss, config, batch=activations)
+        )(params, batch)
         return (total + value, jax.tree.map(jnp.add, acc, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -200,21 +200,22 @@ def dense_gradients(config: LlamaConfig, params: dict, tokens):
 # The step
 
 
-def make_step(config: LlamaConfig, arm: str):
+def make_step(config: LlamaConfig, arm: str, activations=None):
     """The step: the mean gradient over the microbatches, the update, the new
     parameters. The projected arms take the library's own path:
     `qto.accumulate_gradients` marks the stacked block matrices (`qto.mark`,
     before the model's scan over layers) and adds the microbatches' small factors
     up in place; `qto.apply_updates` adds the `LowRank` updates into the donated
-    weights."""
+    weights. `activations`: the FSDP step's sharding of the activations' batch dim.
+    """
     tx = transformation(config, arm)
-    loss_fn = functools.partial(loss, config)
+    loss_fn = functools.partial(loss, config, batch=activations)
 
     def step(params, state, tokens):
         if arm.startswith("projected"):
             value, grads = qto.accumulate_gradients(loss_fn, params, state, tokens)
         else:
-            value, grads = dense_gradients(config, params, tokens)
+            value, grads = dense_gradients(config, params, tokens, activations)
         updates, state = tx.update(grads, state, params)
         return qto.apply_updates(params, updates), state, value
 
@@ -365,10 +366,16 @@ def estimate(
     params, state, tokens = _abstract_inputs(
         config, arm, batch * devices, accumulation, seq
     )
-    step = make_step(config, arm)
     jit_kwargs: dict = {"donate_argnums": (0, 1)}
+    activations = None
     if devices > 1:
-        mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+        mesh = jax.make_mesh(
+            (devices,),
+            ("data",),
+            devices=jax.devices()[:devices],
+            axis_types=(jax.sharding.AxisType.Auto,),
+        )
+        activations = NamedSharding(mesh, P("data"))
         shardings = (
             _shardings(params, mesh, devices),
             _shardings(state, mesh, devices),
@@ -378,6 +385,7 @@ def estimate(
             in_shardings=shardings,
             out_shardings=(shardings[0], shardings[1], NamedSharding(mesh, P())),
         )
+    step = make_step(config, arm, activations)
     qt.reset_fallback_counts()
     start = time.perf_counter()
     with qt.fallback("silent"), warnings.catch_warnings():
