@@ -17,7 +17,9 @@ import numpy as np
 import quax
 from jaxtyping import PyTree
 
-from . import _cotangents
+from .._differentiable import merge_structures, split_structures, through_views
+from .._marks import _cotangents
+from .._marks._matrix_view import unwrap_stored_views
 from ._arguments import (
     argnums_positions,
     as_pytree_callable,
@@ -30,8 +32,6 @@ from ._arguments import (
     is_value,
     returning_pair,
 )
-from ._differentiable import merge_structures, split_structures, through_views
-from ._matrix_view import unwrap_stored_views
 from ._primitives import compress_p, outer_p
 
 

@@ -28,14 +28,14 @@ from quax._compat import jit_p, scan_bind_params, unpack_scan_args
 from quax._primitives import jit_quax
 from quax._trace import _QuaxTrace
 
-from . import _marked_scan
-from ._base import CompressedArray
-from ._cotangents import mark_p
-from ._fallback import dry_run, record_densification
+from .._core._base import CompressedArray
+from .._core._fallback import dry_run, record_densification
+from .._core._registry import rule
+from .._marks import _marked_scan
+from .._marks._cotangents import mark_p
+from .._marks._projection import finish_p, outer_sum_p, rows_p
+from .._types.lowrank import LowRank
 from ._primitives import compress_p, outer_p
-from ._projection import finish_p, outer_sum_p, rows_p
-from ._registry import rule
-from ._types.lowrank import LowRank
 
 
 _CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)

@@ -24,12 +24,12 @@ import numpy as np
 import quax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, Scalar
 
-from . import _validate
+from .._core import _validate
+from .._core._base import materialise_values
+from .._differentiable import split_structures
+from .._types.lowrank import LowRank
+from .._types.sparse import Sparse
 from ._ad import jvp
-from ._base import materialise_values
-from ._differentiable import split_structures
-from ._types.lowrank import LowRank
-from ._types.sparse import Sparse
 
 
 Directions = Literal["low_rank", "gaussian", "sparse"]

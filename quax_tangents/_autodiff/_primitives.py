@@ -19,10 +19,10 @@ import quax
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import ArrayLike, PyTree
 
-from ._base import materialise_values
-from ._registry import rule
-from ._types.lowrank import LowRank, within_budget
-from ._validate import values_unchecked
+from .._core._base import materialise_values
+from .._core._registry import rule
+from .._core._validate import values_unchecked
+from .._types.lowrank import LowRank, within_budget
 
 
 def _map_leading(fn: Callable, batch_ndim: int) -> Callable:

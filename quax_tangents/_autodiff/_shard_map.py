@@ -41,9 +41,9 @@ from quax._dispatch import _wrap_if_array
 from quax._trace import _QuaxTrace, _QuaxTracer
 from quax._values import _DenseArrayValue
 
-from ._fallback import record_densification
-from ._sharding import explicit_axes, spec_entries, varying_axes
-from ._types.lowrank import LowRank
+from .._core._fallback import record_densification
+from .._distributed._sharding import explicit_axes, spec_entries, varying_axes
+from .._types.lowrank import LowRank
 
 
 # ---------------------------------------------------------------------------------------

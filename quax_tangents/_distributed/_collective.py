@@ -21,7 +21,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, PyTree
 
-from ._base import CompressedArray
+from .._core._base import CompressedArray
+from .._core._unchecked import unchecked
+from .._types.lowrank import LowRank
+from .._types.signnorm import SignNorm
 from ._devices import (
     AxisName,
     axis_size,
@@ -30,9 +33,6 @@ from ._devices import (
 )
 from ._scatter import TwoPhase
 from ._schedule import Cheapest
-from ._types.lowrank import LowRank
-from ._types.signnorm import SignNorm
-from ._unchecked import unchecked
 
 
 # ---------------------------------------------------------------------------------------

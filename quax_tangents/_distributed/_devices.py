@@ -16,7 +16,7 @@ from jax import lax
 from jax._src import config as _jax_config
 from jaxtyping import Array, PyTree
 
-from ._guard import is_guard
+from .._core._guard import is_guard
 
 
 AxisName = Hashable | tuple[Hashable, ...]

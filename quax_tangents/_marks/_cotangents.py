@@ -41,10 +41,11 @@ from jax._src import config as jax_config
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
-from . import _fallback, _sharding, _validate
+from .._core import _fallback, _validate
+from .._core._registry import rule
+from .._distributed import _sharding
 from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p, outer_sum_p
-from ._registry import rule
 
 
 _T = TypeVar("_T")

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
+from .._core._registry import rule
 from ._cotangents import Marked
 from ._projection import rows_p
-from ._registry import rule
 
 
 # ---------------------------------------------------------------------------------------

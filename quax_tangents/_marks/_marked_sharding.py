@@ -5,9 +5,9 @@ transpose, `psum_invariant`, then sums the compressed per-device cotangents."""
 
 from jax._src.core import pvary_p
 
+from .._core._registry import rule
+from .._distributed._devices import vary_leaf
 from ._cotangents import Marked
-from ._devices import vary_leaf
-from ._registry import rule
 
 
 @rule(pvary_p)

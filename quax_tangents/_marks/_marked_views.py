@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from .._core._registry import rule
 from ._cotangents import Marked, factored_product, full_perm, seen
-from ._registry import rule
 
 
 # ---------------------------------------------------------------------------------------

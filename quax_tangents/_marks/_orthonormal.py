@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._fallback import fallback_mode
-from ._validate import is_concrete
+from .._core._fallback import fallback_mode
+from .._core._validate import is_concrete
 
 
 def orthonormality_tolerance(dtype: Any, side: int) -> float:

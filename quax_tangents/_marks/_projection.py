@@ -25,15 +25,19 @@ import jax.tree_util as jtu
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
-from . import _sharding
-from ._fallback import record_densification
-from ._inplace import as_bits, from_bits
-from ._primitives import _define as define_batched, _outer_abstract, _outer_dense
-from ._registry import rule
-from ._types.lowrank import LowRank, within_budget
-from ._types.outer import OuterSum
-from ._types.rows import SparseRows
-from ._unchecked import unchecked
+from .._autodiff._primitives import (
+    _define as define_batched,
+    _outer_abstract,
+    _outer_dense,
+)
+from .._core._fallback import record_densification
+from .._core._inplace import as_bits, from_bits
+from .._core._registry import rule
+from .._core._unchecked import unchecked
+from .._distributed import _sharding
+from .._types.lowrank import LowRank, within_budget
+from .._types.outer import OuterSum
+from .._types.rows import SparseRows
 
 
 def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:

@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
-from quax_tangents._matrix_view import to_matrix
+from quax_tangents._marks._matrix_view import to_matrix
 from tests.helpers import assert_close, llama
 from tests.helpers.collective import (
     enough_devices,

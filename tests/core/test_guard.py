@@ -9,7 +9,7 @@ import pytest
 import quax
 
 import quax_tangents as qt
-from quax_tangents._guard import GUARD_DTYPE, is_guard
+from quax_tangents._core._guard import GUARD_DTYPE, is_guard
 from tests.helpers import assert_close, field_leaves, random_array
 from tests.helpers.values import compressed
 

@@ -147,7 +147,7 @@ def test_sparse_fit_carry_pads_and_refuses_growth():
 
 # ---------------------------------------------------------------------------------------
 # all_reduce, on a one-device mesh (the multi-device behaviour is in
-# tests/test_collective.py)
+# tests/distributed/test_collective.py)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

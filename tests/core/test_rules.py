@@ -16,8 +16,8 @@ import quax
 from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
-from quax_tangents import _validate
-from quax_tangents._registry import RULES, dispatch_log
+from quax_tangents._core import _validate
+from quax_tangents._core._registry import RULES, dispatch_log
 from tests.helpers import assert_close
 from tests.helpers.cases import load_all_cases
 from tests.helpers.values import TYPE_NAMES, compressed

@@ -144,7 +144,7 @@ def test_debug_nans_tests_in_a_fresh_process():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         + ["-k", "debug_nans_finds", __file__],
         env=os.environ | {_FRESH: "1"},
-        cwd=pathlib.Path(__file__).resolve().parents[1],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         timeout=600,

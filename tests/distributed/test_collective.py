@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from quax_tangents._collective import orthonormalise
-from quax_tangents._hlo import collectives_in_hlo
+from quax_tangents._distributed._collective import orthonormalise
+from quax_tangents._distributed._hlo import collectives_in_hlo
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     AXIS,
@@ -43,7 +43,7 @@ from tests.helpers.collective import (
 )
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 needs_devices = needs_devices_for("test_multi_device_tests_in_a_fresh_process")
 

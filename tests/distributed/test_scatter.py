@@ -2,8 +2,8 @@
 bytes each device receives (from the compiled HLO), the results against the same
 sums computed centrally, and error feedback around them in `qto.compress`.
 
-Like `tests/test_collective.py`, the multi-device tests run in a fresh Python process
-with 8 host CPU devices when this one has fewer
+Like `tests/distributed/test_collective.py`, the multi-device tests run in a fresh
+Python process with 8 host CPU devices when this one has fewer
 (`test_scatter_tests_in_a_fresh_process`).
 """
 
@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from quax_tangents._hlo import Collective
-from quax_tangents._scatter import chunk_elems
+from quax_tangents._distributed._hlo import Collective
+from quax_tangents._distributed._scatter import chunk_elems
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     needs_devices_for,
@@ -41,7 +41,7 @@ from tests.helpers.scatter import (
 from tests.helpers.scripts import run_script
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 needs_devices = needs_devices_for("test_scatter_tests_in_a_fresh_process", DEVICES)
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from quax_tangents._schedule import cheapest_schedule
+from quax_tangents._distributed._schedule import cheapest_schedule
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     AXIS,

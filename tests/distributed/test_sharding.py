@@ -1,5 +1,6 @@
 """The linear algebra of `_sharding.py` against the factorisations it replaces
-(Householder QR, SVD), on one device; the sharded runs are in `test_shard_map.py`."""
+(Householder QR, SVD), on one device; the sharded runs are in
+`tests/autodiff/test_shard_map.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import quax_tangents as qt
-from quax_tangents import _projection, _sharding
+from quax_tangents._distributed import _sharding
+from quax_tangents._marks import _projection
 from tests.helpers import assert_close
 
 

@@ -381,7 +381,7 @@ def test_jit_and_either_grad_in_either_order(kind, first):
 def test_a_bound_mark_differentiates_as_the_dense_identity(kind):
     # A trace that holds `mark_p` itself (as an entry point's trace does), reached by
     # plain JAX: linearised and transposed, it finishes the cotangent densely.
-    from quax_tangents import _cotangents
+    from quax_tangents._marks import _cotangents
 
     loss, w, _ = _marked_loss(kind)
     expected = jax.grad(loss)(w)

@@ -515,7 +515,7 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
     # `finish` with source "given_into" on the total cotangent, an `OuterSum` or a
     # dense array, against the dense computation: the sum plus `G^T P` (`G Q` for a
     # tall weight), the projector as given.
-    from quax_tangents._projection import Finish, project_dense, project_outer
+    from quax_tangents._marks._projection import Finish, project_dense, project_outer
     from quax_tangents._types.outer import OuterSum
 
     m, n = sides
@@ -553,7 +553,7 @@ def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
     # `finish` with source "sketch_key" draws each slice's test matrix `Ω` from its
     # key, as the range finder does, and gives `LowRank(G Ω, Ω)` (`(Ω, G^T Ω)` for a
     # tall weight): checked against the dense product with the same draws.
-    from quax_tangents._projection import Finish, project_outer, test_matrix
+    from quax_tangents._marks._projection import Finish, project_outer, test_matrix
     from quax_tangents._types.outer import OuterSum
 
     m, n = sides

@@ -1,5 +1,5 @@
 """A weight stored with more dims than its matrix, marked through its matrix view
-(`quax_tangents._matrix_view`): its gradient comes back as the `LowRank` of the
+(`quax_tangents._marks._matrix_view`): its gradient comes back as the `LowRank` of the
 matrix view under the entry points, and as the same numbers, dense and in the stored
 shape, under plain JAX."""
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._matrix_view import to_matrix
+from quax_tangents._marks._matrix_view import to_matrix
 from tests.helpers import assert_close, random_array, seeds
 from tests.helpers.stacked import orthonormal, project
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import quax_tangents as qt
-from quax_tangents._orthonormal import orthonormality_tolerance
+from quax_tangents._marks._orthonormal import orthonormality_tolerance
 
 
 def _orthonormal(*shape, dtype=jnp.float32, seed=0):

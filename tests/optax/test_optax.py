@@ -1,7 +1,7 @@
 """The optax transformations on one device: which leaves they compress, error
 feedback, PowerSGD's arithmetic, and states that `jit` and `scan` accept.
 
-Their behaviour across devices is in `tests/test_collective.py`.
+Their behaviour across devices is in `tests/distributed/test_collective.py`.
 """
 
 import functools as ft
@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from quax_tangents._collective import orthonormalise
+from quax_tangents._distributed._collective import orthonormalise
 from tests.helpers import assert_close
 
 

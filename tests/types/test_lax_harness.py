@@ -23,7 +23,7 @@ import pytest
 from jax import lax
 
 import quax_tangents as qt
-from quax_tangents._fallback import is_vector_shape
+from quax_tangents._core._fallback import is_vector_shape
 from tests.helpers import assert_close, random_array
 from tests.helpers.values import TYPE_NAMES, compressed
 
