@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import quax_tangents as qt
-from quax_tangents._registry import RULES
+from quax_tangents._core._registry import RULES
 
 
 LAYERS = 4
@@ -393,6 +393,18 @@ def _code_key(fn: Callable) -> tuple[str, int, str]:
     return code.co_filename, code.co_firstlineno, code.co_name
 
 
+def _module_name(filename: str) -> str | None:
+    """The dotted module name of a file of quax_tangents or quax, sub-packages included
+    (`quax_tangents._autodiff._ad` for `.../quax_tangents/_autodiff/_ad.py`); `None`
+    for a file of any other package."""
+    for package in ("quax_tangents", "quax"):
+        marker = f"/{package}/"
+        if marker in filename:
+            inside = pathlib.PurePath(filename.rsplit(marker, 1)[1]).with_suffix("")
+            return ".".join((package, *inside.parts))
+    return None
+
+
 def _named_time(cumulative: dict, name: str) -> float:
     return sum(t for (_, _, function), t in cumulative.items() if function == name)
 
@@ -413,11 +425,9 @@ def trace_profile(variant: Variant, top: int = 10) -> TraceProfile:
     rule_keys.add(_code_key(qt.CompressedArray.default))
     rows = []
     for (filename, _, name), (_, calls, _, seconds, _) in stats.items():
-        if "/quax_tangents/" in filename or "/quax/" in filename:
-            package = "quax_tangents" if "/quax_tangents/" in filename else "quax"
-            rows.append(
-                (seconds, f"{package}.{pathlib.Path(filename).stem}.{name}", calls)
-            )
+        module = _module_name(filename)
+        if module is not None:
+            rows.append((seconds, f"{module}.{name}", calls))
     rows.sort(reverse=True)
     return TraceProfile(
         total=max(cumulative.values()),

@@ -39,7 +39,7 @@ from _report import add_out_argument, default_out, environment, produced_by
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
-from quax_tangents._schedule import cheapest_schedule
+from quax_tangents._distributed._schedule import cheapest_schedule
 
 
 AXIS = "d"

@@ -8,8 +8,8 @@ import importlib as _importlib
 import importlib.metadata as _metadata
 from typing import Any as _Any
 
-from . import _control as _control, _shard_map as _shard_map
-from ._ad import (
+from ._autodiff import _control as _control, _shard_map as _shard_map
+from ._autodiff._ad import (
     compress_cotangent as compress_cotangent,
     factored_matmul as factored_matmul,
     grad as grad,
@@ -19,23 +19,25 @@ from ._ad import (
     value_and_grad as value_and_grad,
     vjp as vjp,
 )
-from ._base import (
+from ._autodiff._forward import (
+    ForwardGradInfo as ForwardGradInfo,
+    forward_grad as forward_grad,
+)
+from ._autodiff._primitives import compress as compress, materialise as materialise
+from ._core._base import (
     ChunkCompressor as ChunkCompressor,
     CompressedArray as CompressedArray,
 )
-from ._collective import (
-    GatherSum as GatherSum,
-    MajorityVote as MajorityVote,
-    PowerSum as PowerSum,
-    all_reduce as all_reduce,
+from ._core._fallback import (
+    DensificationError as DensificationError,
+    DensificationWarning as DensificationWarning,
+    fallback as fallback,
+    fallback_counts as fallback_counts,
+    fallback_mode as fallback_mode,
+    rank_budget as rank_budget,
+    rank_budget_counts as rank_budget_counts,
+    reset_fallback_counts as reset_fallback_counts,
 )
-from ._cotangents import (
-    Projector as Projector,
-    factored_cotangent as factored_cotangent,
-    projected_cotangent as projected_cotangent,
-    sparse_rows_cotangent as sparse_rows_cotangent,
-)
-from ._devices import device_varying as device_varying
 from ._differentiable import (
     Differentiable as Differentiable,
     NoDerivative as NoDerivative,
@@ -48,28 +50,32 @@ from ._differentiable import (
     norm as norm,
     zero_tangent as zero_tangent,
 )
-from ._fallback import (
-    DensificationError as DensificationError,
-    DensificationWarning as DensificationWarning,
-    fallback as fallback,
-    fallback_counts as fallback_counts,
-    fallback_mode as fallback_mode,
-    rank_budget as rank_budget,
-    rank_budget_counts as rank_budget_counts,
-    reset_fallback_counts as reset_fallback_counts,
+from ._distributed._collective import (
+    GatherSum as GatherSum,
+    MajorityVote as MajorityVote,
+    PowerSum as PowerSum,
+    all_reduce as all_reduce,
 )
-from ._forward import (
-    ForwardGradInfo as ForwardGradInfo,
-    forward_grad as forward_grad,
-)
-from ._hlo import (
+from ._distributed._devices import device_varying as device_varying
+from ._distributed._hlo import (
     Collective as Collective,
     collectives as collectives,
     received_bytes as received_bytes,
 )
-from ._primitives import compress as compress, materialise as materialise
-from ._scatter import TwoPhase as TwoPhase, reduce_scatter as reduce_scatter
-from ._schedule import Cheapest as Cheapest, schedule_bytes as schedule_bytes
+from ._distributed._scatter import (
+    TwoPhase as TwoPhase,
+    reduce_scatter as reduce_scatter,
+)
+from ._distributed._schedule import (
+    Cheapest as Cheapest,
+    schedule_bytes as schedule_bytes,
+)
+from ._marks._cotangents import (
+    Projector as Projector,
+    factored_cotangent as factored_cotangent,
+    projected_cotangent as projected_cotangent,
+    sparse_rows_cotangent as sparse_rows_cotangent,
+)
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.rows import SparseRows as SparseRows

@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, settings
 # XLA's CPU backend runs LLVM at -O2 on every program it compiles. The suite's
 # programs are tiny, so compiling them costs more than running them, and at -O0 LLVM
 # compiles them several times faster (one scanned gradient of
-# `test_cotangents_stacked.py`: 6.6 s at -O2, 1.2 s at -O0). XLA's own passes do not
-# depend on it: the optimised HLO, `memory_analysis()` and `cost_analysis()` are the
-# same; float results may differ in their last bits (the tests compare within
-# tolerances, or variants compiled alike).
+# `tests/marks/test_cotangents_stacked.py`: 6.6 s at -O2, 1.2 s at -O0). XLA's own
+# passes do not depend on it: the optimised HLO, `memory_analysis()` and
+# `cost_analysis()` are the same; float results may differ in their last bits (the
+# tests compare within tolerances, or variants compiled alike).
 # Set before JAX starts its backend; subprocesses (the fresh-process runs, examples and
 # benchmarks) inherit it. An XLA_FLAGS that names a level already keeps it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

@@ -21,11 +21,11 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from .. import _validate
-from .._base import CompressedArray, densify
-from .._devices import axis_size, gather
-from .._registry import rule
-from .._unchecked import unchecked
+from .._core import _validate
+from .._core._base import CompressedArray, densify
+from .._core._registry import rule
+from .._core._unchecked import unchecked
+from .._distributed._devices import axis_size, gather
 
 
 def event_size(event_shape: Sequence[int]) -> int:

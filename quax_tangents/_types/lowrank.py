@@ -22,25 +22,25 @@ from jax._src.pjit import reshard_p
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .. import _validate
-from .._base import CompressedArray, densify
-from .._devices import (
+from .._core import _validate
+from .._core._base import CompressedArray, densify
+from .._core._fallback import (
+    budget_settings,
+    is_vector_shape,
+    record_budget_event,
+    record_dense_result,
+)
+from .._core._lax import add_any_p
+from .._core._registry import rule
+from .._core._unchecked import unchecked
+from .._distributed._devices import (
     axis_size,
     dense_all_reduce,
     gather_along,
     shared_factor,
     vary_leaf,
 )
-from .._fallback import (
-    budget_settings,
-    is_vector_shape,
-    record_budget_event,
-    record_dense_result,
-)
-from .._lax import add_any_p
-from .._registry import rule
-from .._sharding import factored_type, varying_axes
-from .._unchecked import unchecked
+from .._distributed._sharding import factored_type, varying_axes
 
 
 class LowRank(CompressedArray):

@@ -2,7 +2,7 @@
 pass accumulates it.
 
 It exists only between the `dot_general`s where a marked weight is used (see
-`quax_tangents._cotangents`) and the point where the weight's total cotangent is
+`quax_tangents._marks._cotangents`) and the point where the weight's total cotangent is
 finished into its final form (a `LowRank` under the rank budget, or a projection).
 Unlike `LowRank` it has no rank budget: its rank is the number of rows contracted
 (batch times sequence), often larger than the matrix's sides, and that is fine for
@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from jax._src.lax.parallel import psum_invariant_p
 from jaxtyping import Array, ArrayLike, Float
 
-from .._base import CompressedArray, densify
-from .._devices import gather_along
-from .._fallback import record_densification
-from .._lax import add_any_p
-from .._registry import rule
-from .._sharding import factored_type
+from .._core._base import CompressedArray, densify
+from .._core._fallback import record_densification
+from .._core._lax import add_any_p
+from .._core._registry import rule
+from .._distributed._devices import gather_along
+from .._distributed._sharding import factored_type
 
 
 class OuterSum(CompressedArray):

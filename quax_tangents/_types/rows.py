@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from .. import _validate
-from .._base import CompressedArray, densify, install_guard
-from .._devices import axis_size, gather_along
-from .._fallback import record_densification
-from .._lax import add_any_p
-from .._registry import rule
+from .._core import _validate
+from .._core._base import CompressedArray, densify, install_guard
+from .._core._fallback import record_densification
+from .._core._lax import add_any_p
+from .._core._registry import rule
+from .._distributed._devices import axis_size, gather_along
 
 
 _INDEX_DTYPE = jnp.int32

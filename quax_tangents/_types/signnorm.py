@@ -13,9 +13,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, UInt8
 
-from .. import _validate
-from .._base import ChunkCompressor
-from .._registry import rule
+from .._core import _validate
+from .._core._base import ChunkCompressor
+from .._core._registry import rule
 from . import _blocked
 from ._blocked import BlockedArray
 

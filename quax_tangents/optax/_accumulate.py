@@ -28,13 +28,21 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .. import _ad
-from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
-from .._projection import Finish
-from .._sharding import column_signs, orthonormal_columns, top_left_singular
+from .._autodiff import _ad
+from .._core._unchecked import unchecked
+from .._distributed._sharding import (
+    column_signs,
+    orthonormal_columns,
+    top_left_singular,
+)
+from .._marks._cotangents import (
+    _mark as bind_mark,
+    projected_cotangent,
+    sparse_rows_cotangent,
+)
+from .._marks._projection import Finish
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
-from .._unchecked import unchecked
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
 from ._mark import in_matrix_view, leaf_keys, plan_leaves

@@ -8,8 +8,8 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, PyTree
 
-from .._base import CompressedArray
-from .._fallback import record_densification
+from .._core._base import CompressedArray
+from .._core._fallback import record_densification
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 

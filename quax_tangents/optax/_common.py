@@ -12,9 +12,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from .._base import CompressedArray
-from .._collective import all_reduce
-from .._devices import axis_is_bound, device_varying
+from .._core._base import CompressedArray
+from .._distributed._collective import all_reduce
+from .._distributed._devices import axis_is_bound, device_varying
 
 
 Filter = Callable[[Any], bool] | PyTree[bool] | None

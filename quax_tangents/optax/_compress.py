@@ -11,18 +11,18 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, PyTree
 
-from .._base import ChunkCompressor, CompressedArray
-from .._collective import GatherSum, all_reduce
-from .._devices import axis_is_bound, axis_size, device_varying
-from .._scatter import (
+from .._core._base import ChunkCompressor, CompressedArray
+from .._core._validate import values_unchecked
+from .._distributed._collective import GatherSum, all_reduce
+from .._distributed._devices import axis_is_bound, axis_size, device_varying
+from .._distributed._scatter import (
     chunk_elems,
     compressed_reduce_scatter,
     reduce_scatter,
     two_phase_sum,
 )
-from .._schedule import Schedule, cheapest_schedule, dense_sum
+from .._distributed._schedule import Schedule, cheapest_schedule, dense_sum
 from .._types.quantized import Quantized
-from .._validate import values_unchecked
 from ._common import (
     AxisName,
     Filter,

@@ -14,8 +14,8 @@ import optax
 from jax import lax
 from jaxtyping import PyTree
 
-from .._guard import guard, is_guard
-from .._inplace import as_bits, bits_dtype, from_bits
+from .._core._guard import guard, is_guard
+from .._core._inplace import as_bits, bits_dtype, from_bits
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed

@@ -8,8 +8,8 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
-from .._matrix_view import to_matrix
+from .._marks._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
+from .._marks._matrix_view import to_matrix
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
 
@@ -65,7 +65,7 @@ def in_matrix_view(leaf: Any, plan: LeafPlan, mark_matrix: Callable) -> Any:
     back to the stored shape: the reshape keeps the mark, so products with the
     stored weight (`einsum("btd,dhk->bthk", x, w)`) give the factors of the
     matrix's gradient, and the gradient comes back as a `LowRank` of the matrix
-    view (see `quax_tangents._matrix_view`)."""
+    view (see `quax_tangents._marks._matrix_view`)."""
     if not plan.is_view:
         return mark_matrix(leaf)
     matrix = mark_matrix(to_matrix(leaf, plan.matrix_shape))

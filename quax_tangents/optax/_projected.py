@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from .._cotangents import Projector
+from .._marks._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed, reject_compressed

@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 from jax.sharding import PartitionSpec
 from jaxtyping import PyTree
 
-from .._guard import is_guard
+from .._core._guard import is_guard
 from ._compress import CompressState
 from ._powersgd import PowerSGDState
 

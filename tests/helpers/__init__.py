@@ -62,7 +62,7 @@ def tree_allclose(x, y, dtype=None, **kwargs) -> bool:
 def field_leaves(value) -> list:
     """The array fields of a compressed value, without its guard leaf (which holds no
     data and cannot be converted to NumPy)."""
-    from quax_tangents._guard import is_guard
+    from quax_tangents._core._guard import is_guard
 
     return [leaf for leaf in jtu.tree_leaves(value) if not is_guard(leaf)]
 

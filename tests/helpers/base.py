@@ -4,8 +4,8 @@ import jax
 from hypothesis import strategies as st
 from quax.examples.zero import Zero
 
-from quax_tangents._base import CompressedArray
-from quax_tangents._lax import add_any_p
+from quax_tangents._core._base import CompressedArray
+from quax_tangents._core._lax import add_any_p
 from tests.helpers.cases import Case, case
 from tests.helpers.lowrank import lowrank_values
 from tests.helpers.quantized import quantized_values

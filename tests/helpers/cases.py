@@ -34,7 +34,7 @@ class Case:
 def case(primitive: str, *operands: str):
     """Registers a strategy factory as the case for rule `(primitive, operands)`.
 
-    Operand labels are those of `quax_tangents._registry.type_label`: class names,
+    Operand labels are those of `quax_tangents._core._registry.type_label`: class names,
     and `dense` for `ArrayLike`.
     """
 

@@ -1,5 +1,6 @@
 """Cases of the rules behind the cotangent marks: the `OuterSum` type, the
-construction primitives of `quax_tangents._projection`, and the `Marked` weight."""
+construction primitives of `quax_tangents._marks._projection`, and the `Marked`
+weight."""
 
 import math
 
@@ -9,9 +10,9 @@ import numpy as np
 from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._cotangents import Marked, full_perm, mark_p
-from quax_tangents._lax import add_any_p
-from quax_tangents._projection import Finish, finish_p, outer_sum_p, rows_p
+from quax_tangents._core._lax import add_any_p
+from quax_tangents._marks._cotangents import Marked, full_perm, mark_p
+from quax_tangents._marks._projection import Finish, finish_p, outer_sum_p, rows_p
 from quax_tangents._types.outer import OuterSum
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case

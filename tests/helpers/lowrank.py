@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._lax import add_any_p
+from quax_tangents._core._lax import add_any_p
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, bind_convert, bind_reshape, bind_transpose, case
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from hypothesis import strategies as st
 
-from quax_tangents._matrix_view import StoredView, matrix_view_p, to_matrix_p
+from quax_tangents._marks._matrix_view import StoredView, matrix_view_p, to_matrix_p
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
 from tests.helpers.lowrank import lowrank_values

@@ -1,8 +1,8 @@
 """Property-test cases of the rules for sharding and device sums (`reshard`,
 `psum_invariant` and `pvary` of LowRank, `pvary` of a marked weight, `psum_invariant`
 of an OuterSum), on a mesh of one device so that they run in any process. The
-multi-device runs are in `tests/test_shard_map.py`. Nothing here touches devices at
-import: the mesh is made when a case is drawn."""
+multi-device runs are in `tests/autodiff/test_shard_map.py`. Nothing here touches
+devices at import: the mesh is made when a case is drawn."""
 
 import functools as ft
 
@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
-from quax_tangents._projection import outer_sum_p
+from quax_tangents._marks._projection import outer_sum_p
 from quax_tangents._types.outer import OuterSum
 from tests.helpers import random_array, seeds
 from tests.helpers.cases import Case, case

@@ -6,8 +6,8 @@ import quax
 from hypothesis import given, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._fallback import is_vector_shape
-from quax_tangents._lax import add_any_p
+from quax_tangents._core._fallback import is_vector_shape
+from quax_tangents._core._lax import add_any_p
 from tests.helpers import assert_close, float_dtypes, random_array, seeds
 from tests.helpers.lowrank import lowrank_values
 from tests.helpers.values import compressed

@@ -11,7 +11,7 @@ import quax
 from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._fallback import is_vector_shape
+from quax_tangents._core._fallback import is_vector_shape
 from tests.helpers import assert_close
 from tests.helpers.sparse import (
     dense_sparse,

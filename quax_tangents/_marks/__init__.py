@@ -1,0 +1,5 @@
+"""Cotangent marks: weights whose gradients are born compressed. The marks themselves
+(`_cotangents`), the construction primitives of their cotangents (`_projection`), the
+marked weight seen through row reads, scans, `shard_map` and reshapes (`_marked_*`),
+weights marked through their matrix view (`_matrix_view`), and the check of a
+user's projector (`_orthonormal`)."""

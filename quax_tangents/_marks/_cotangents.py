@@ -1,0 +1,679 @@
+"""Marks on weights whose cotangents are born compressed: `projected_cotangent`,
+`factored_cotangent` and `sparse_rows_cotangent`.
+
+JAX's transpose of `dot_general` forms the dense weight gradient `X^T C` before any
+marker on the weight could see it, so the interception happens where the weight meets
+`dot_general` (or a gather), above JAX's AD. Under `quax_tangents.grad`, `value_and_grad`
+and `vjp`, a function that uses a mark is traced a second time with an inner quax
+trace inside `jax.vjp`:
+
+1. the mark binds `mark_p`, whose rule returns a `Marked` value around the weight
+    (passed through a `jax.custom_vjp` identity whose backward pass *finishes* the
+    weight's total cotangent with `finish_p`);
+2. `Marked`'s `dot_general` and `gather` rules call a `jax.custom_vjp` product whose
+    backward pass binds `outer_sum_p` (the gradient as its factors `X`, `C`) or
+    `rows_p` (the rows read); every other primitive uses the weight itself;
+3. in the backward pass, which runs at the outer quax trace, those construction
+    primitives become `OuterSum` / `SparseRows` values, JAX adds the uses up, and
+    `finish_p` turns the total into a `LowRank` or deduplicated `SparseRows`.
+
+The first trace runs without the inner layer; a mark raises a private signal there,
+and the entry point traces again with it, so functions without marks pay nothing.
+Outside our entry points a mark is the custom_vjp identity alone, whose backward pass
+computes the same numbers densely.
+"""
+
+import contextlib
+import dataclasses
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.extend.core as jexc
+import jax.numpy as jnp
+import quax
+from jax._src import config as jax_config
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+
+from .._core import _fallback, _validate
+from .._core._registry import rule
+from .._distributed import _sharding
+from ._orthonormal import check_orthonormal
+from ._projection import Finish, finish_p, outer_sum_p
+
+
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------------------------------
+# The projector contract
+
+
+class Projector(eqx.Module):
+    """The projector of one weight for `projected_cotangent`, carried as data so that
+    one jitted step serves both the steps that refresh it and those that do not.
+
+    For a weight `w` of shape `(*batch, m, n)` and rank `r`, `matrix` has shape
+    `(*batch, m, r)` when `m <= n` and `(*batch, n, r)` otherwise (one projector per
+    slice of a stacked weight), a floating dtype (cast to `w`'s), and orthonormal
+    columns. When `refresh` is true, `matrix` is ignored (only its shape is read) and
+    a fresh projector comes from the range finder, as with `projector=None`. Either
+    way, the projector used is a factor of the gradient: `grad.left` when `m <= n`,
+    `grad.right` otherwise (`grad.projector_side` says which); store it for the next
+    steps.
+
+    **Arguments:**
+
+    - `matrix`: floating array `(*batch, min(m, n), r)`.
+    - `refresh`: a bool scalar (Python or traced), shared by every slice.
+    """
+
+    matrix: Float[Array, "*batch side rank"]
+    refresh: Bool[Array, ""]
+
+    def __init__(self, matrix: Float[ArrayLike, "*batch side rank"], refresh: Any):
+        self.matrix = jnp.asarray(matrix)
+        self.refresh = jnp.asarray(refresh)
+        if self.refresh.shape != () or self.refresh.dtype != jnp.bool_:
+            raise TypeError(
+                "`Projector.refresh` must be a bool scalar, got "
+                f"{self.refresh.dtype}{list(self.refresh.shape)}."
+            )
+        # Eager only (concrete arrays); `projected_cotangent` checks traced ones.
+        if not isinstance(self.matrix, jax.core.Tracer):
+            check_orthonormal(self.matrix, "Projector.matrix", skip=self.refresh)
+
+    @classmethod
+    def init(cls, shape: tuple[int, ...], rank: int, dtype: Any) -> "Projector":
+        """A placeholder (zeros) that asks for a fresh projector on first use, for a
+        weight of `shape` `(*batch, m, n)`."""
+        if len(shape) < 2:
+            raise ValueError(
+                f"`shape` must be (*batch, m, n), got {tuple(shape)}: a projector "
+                "belongs to a matrix or a stack of them."
+            )
+        *batch, m, n = shape
+        return cls(jnp.zeros((*batch, min(m, n), rank), dtype), True)
+
+
+# ---------------------------------------------------------------------------------------
+# Public marks
+
+
+def factored_cotangent(w: Float[Array, "*batch m n"]) -> Float[Array, "*batch m n"]:
+    """The identity on a weight `w`, whose cotangent is the exact low-rank `X^T C`.
+
+    Under `quax_tangents.grad`, `value_and_grad` and `vjp`, every use of `w` in a
+    `dot_general` (`x @ w`, `w @ x`, `einsum`, `equinox.nn.Linear` under `vmap`, with
+    `w` or `w.T`) contributes the factors of its gradient `X^T C` (`X` the other
+    operand, `C` the output cotangent, both flattened over the dims contracted with
+    each other), and the weight's cotangent comes back as a `LowRank` whose rank is
+    the total number of rows contracted, subject to the rank budget
+    (`quax_tangents.rank_budget`). The `m x n` gradient is never formed. A use of
+    `w` in any other operation adds a dense cotangent, and the sum is dense
+    (counted). Elsewhere (plain `jax.grad`) it is the dense gradient.
+
+    A stacked weight `(*batch, m, n)` (the blocks of a scanned model) is handled
+    slice by slice: its cotangent is a `LowRank` with `batch_ndim == len(batch)`.
+
+    **Arguments:**
+
+    - `w`: floating array `(*batch, m, n)`.
+
+    **Returns:**
+
+    `w`.
+    """
+    _check_matrix("w", w)
+    return _mark(Finish("factored"), w, ())
+
+
+def projected_cotangent(
+    w: Float[Array, "*batch m n"],
+    rank: int,
+    *,
+    projector: Float[ArrayLike, "*batch side rank"] | Projector | None = None,
+    key: PRNGKeyArray | None = None,
+    iters: int = 1,
+) -> Float[Array, "*batch m n"]:
+    """The identity on a weight `w`, whose cotangent is the projection of its gradient
+    `G` onto a rank-`rank` subspace of its smaller side, as in GaLore.
+
+    Under `quax_tangents.grad`, `value_and_grad` and `vjp` the cotangent comes back
+    as a `LowRank`: for `m <= n`, `LowRank(left=P, right=G^T P)` with `P` `(m, rank)`
+    orthonormal (so the dense array is `P P^T G`); for `m > n`,
+    `LowRank(left=G Q, right=Q)` with `Q` `(n, rank)` (the array `G Q Q^T`). Its
+    `projector_side` is `"left"` or `"right"` accordingly. Where `w` meets
+    `dot_general`, `G = X^T C` is used only through `G v = X^T (C v)` and
+    `G^T u = C^T (X u)`, `O(b (m + n) rank)` each: the `m x n` gradient is never
+    formed. Uses of `w` elsewhere (weight decay, a tied embedding) add a dense term
+    (counted); the result is then the projection of the dense total, never a
+    different array. Elsewhere (plain `jax.grad`) it is the same projection, dense.
+
+    A stacked weight `(*batch, m, n)` is projected slice by slice, with one projector
+    per slice (`(*batch, min(m, n), rank)`) and, for fresh projectors, one key per
+    slice split from `key`; the `LowRank` then has `batch_ndim == len(batch)`.
+
+    **Arguments:**
+
+    - `w`: floating array `(*batch, m, n)`.
+    - `rank`: the rank `r`, `1 <= r <= min(m, n)`.
+    - `projector`: `None` for a fresh projector from a randomized range finder on the
+        implicit gradient; a floating array `(*batch, min(m, n), r)` with orthonormal
+        columns, cast to `w`'s dtype and used exactly (it is the `P`/`Q` factor of
+        the result); or a `Projector`, which picks between the two with a traced
+        bool.
+    - `key`: PRNG key of the range finder's test matrix; `None` uses
+        `jax.random.key(0)`.
+    - `iters`: power iterations of the range finder.
+
+    **Returns:**
+
+    `w`.
+    """
+    batch, (m, n) = _check_matrix("w", w)
+    rank = _validate.check_positive_int(
+        "rank", rank, upper=min(m, n), hint=f", the smaller side of `w` {(m, n)}"
+    )
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
+    key_data, key_impl = _key_data(key, batch)
+    if projector is None:
+        source, operands = "fresh", (key_data,)
+    elif isinstance(projector, Projector):
+        matrix = _check_projector(projector.matrix, w, rank, skip=projector.refresh)
+        source, operands = "switch", (matrix, projector.refresh, key_data)
+    else:
+        source, operands = "given", (_check_projector(projector, w, rank),)
+    spec = Finish("projected", rank, iters, source, key_impl)
+    return _mark(spec, w, operands)
+
+
+def sparse_rows_cotangent(
+    table: Float[Array, "*batch V d"],
+) -> Float[Array, "*batch V d"]:
+    """The identity on an embedding table, whose cotangent keeps only the rows read.
+
+    Under `quax_tangents.grad`, `value_and_grad` and `vjp`, where `table` is read by
+    a row gather (`jnp.take(table, ids, axis=0)`, `table[ids]`,
+    `equinox.nn.Embedding`), its cotangent comes back as a `SparseRows` with one
+    stored row per row read, duplicates summed into the first and the rest zero
+    rows: at most `rows_read * (d * itemsize + 4)` bytes, never the `V x d` zeros
+    that plain JAX scatters into. Other uses of `table` (a tied output projection)
+    add a dense cotangent, and the sum is dense (counted). Elsewhere (plain
+    `jax.grad`) it is the dense gradient.
+
+    A stacked table `(*batch, V, d)`, sliced by `lax.scan`, gives a `SparseRows` with
+    `indices` `(*batch, k)`: the rows each slice reads.
+
+    **Arguments:**
+
+    - `table`: floating array `(*batch, V, d)`.
+
+    **Returns:**
+
+    `table`.
+    """
+    _check_matrix("table", table)
+    return _mark(Finish("rows"), table, ())
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks
+
+
+def _check_matrix(name: str, w: Any) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """`(batch, (m, n))` of a floating `(*batch, m, n)` weight."""
+    if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
+        raise TypeError(
+            f"`{name}` has dtype {jnp.result_type(w)}; only floating arrays have "
+            "cotangents. Mark the floating weight, not the indices."
+        )
+    if jnp.ndim(w) < 2:
+        raise ValueError(
+            f"`{name}` must be a matrix or a stack of them (*batch, m, n), got shape "
+            f"{jnp.shape(w)}. Leave biases and norms unmarked."
+        )
+    *batch, m, n = jnp.shape(w)
+    return tuple(batch), (m, n)
+
+
+def _check_projector(matrix: Any, w: Any, rank: int, skip: Any = False) -> Any:
+    *batch, m, n = jnp.shape(w)
+    expected = (*batch, min(m, n), rank)
+    if jnp.shape(matrix) != expected:
+        raise ValueError(
+            f"`projector` has shape {jnp.shape(matrix)}, but `w` of shape "
+            f"{jnp.shape(w)} at rank {rank} needs {expected}: (*batch, rows of w, "
+            "rank) when m <= n, (*batch, columns of w, rank) otherwise."
+        )
+    if not jnp.issubdtype(jnp.result_type(matrix), jnp.floating):
+        raise TypeError(
+            f"`projector` has dtype {jnp.result_type(matrix)}; it must be a floating "
+            "array with orthonormal columns."
+        )
+    matrix = check_orthonormal(matrix, "projector", skip=skip)
+    # A projector kept in another float dtype (an f32 optimizer state for a bf16
+    # weight) is cast; the result's projector factor is in the weight's dtype.
+    return jnp.asarray(matrix).astype(jnp.result_type(w))
+
+
+def _key_data(key: Any, batch: tuple[int, ...] = ()) -> tuple[Any, str]:
+    """The raw data of `key` (one key split per slice of a stacked weight) and the
+    name of its implementation."""
+    key = jax.random.key(0) if key is None else key
+    if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        if jnp.shape(key) != (2,) or jnp.result_type(key) != jnp.uint32:
+            raise TypeError(
+                "`key` must be a PRNG key (`jax.random.key(seed)`), got "
+                f"{jnp.result_type(key)}{list(jnp.shape(key))}."
+            )
+        key = jax.random.wrap_key_data(key, impl="threefry2x32")
+    if jnp.shape(key) != ():
+        raise TypeError(
+            f"`key` must be a single PRNG key, got a batch of shape {jnp.shape(key)}."
+        )
+    impl = str(jax.random.key_impl(key))
+    if batch:
+        key = jax.random.split(key, math.prod(batch)).reshape(batch)
+    return jax.random.key_data(key), impl
+
+
+# ---------------------------------------------------------------------------------------
+# Whether the entry point traces with the inner layer
+
+
+class _NeedsInnerLayer(Exception):
+    """Raised by a mark when an entry point traces without the inner layer."""
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.mode: str | None = None  # None, "probe" or "inner"
+
+
+_state = _State()
+
+
+# The mode is part of JAX's trace context, so that `jax.jit` keeps the traces that
+# an entry point made (with marks bound as `mark_p`) apart from plain JAX's (marks
+# as the custom_vjp identity): `jax.grad` and `quax_tangents.grad` of one jitted
+# function then each find their own trace, in either order.
+# (JAX's private config API: without it, a trace cached by one is still
+# differentiated correctly by the other, through `mark_p`'s JVP, but densely.)
+def _mode_context(mode: str) -> Any:
+    return contextlib.nullcontext()
+
+
+_trace_mode: Callable[[str], Any] = _mode_context
+with contextlib.suppress(AttributeError, TypeError):
+    _trace_mode = jax_config.enum_state(
+        "quax_tangents_mark_mode",
+        ["none", "probe", "inner"],
+        "none",
+        "How quax_tangents' cotangent marks trace (private).",
+        include_in_trace_context=True,
+    )
+
+
+def _mark(spec: Finish, w: Any, operands: tuple) -> Any:
+    if _state.mode == "probe":
+        raise _NeedsInnerLayer
+    if _state.mode == "inner":
+        return mark_p.bind(w, *operands, spec=spec)
+    return _finished(spec, w, *operands)
+
+
+def traced_with_marks(trace: Callable[[], _T]) -> _T:
+    """Runs an entry point's `trace()`, and runs it again with the inner layer
+    (`inner_layer`) when a mark is used; the counts of the first run are undone."""
+    previous = _state.mode
+    counts = Counter(_fallback._densify_counts), Counter(_fallback._budget_counts)
+    _state.mode = "probe"
+    try:
+        with _trace_mode("probe"):
+            return trace()
+    except _NeedsInnerLayer:
+        _restore(_fallback._densify_counts, counts[0])
+        _restore(_fallback._budget_counts, counts[1])
+        _state.mode = "inner"
+        with _trace_mode("inner"):
+            return trace()
+    finally:
+        _state.mode = previous
+
+
+def _restore(counter: Counter, saved: Counter) -> None:
+    counter.clear()
+    counter.update(saved)
+
+
+def tracing_inner_layer() -> bool:
+    """Whether an entry point is tracing with the inner layer (marks bind `mark_p`)."""
+    return _state.mode == "inner"
+
+
+def inner_layer(fn: Callable) -> Callable:
+    """`fn` traced under its own quax trace when marks are in use, so that their
+    rules run above the AD transformation that wraps `fn`; otherwise `fn`."""
+    if _state.mode != "inner":
+        return fn
+    return quax.quaxify(fn, filter_spec=lambda _: True)
+
+
+# ---------------------------------------------------------------------------------------
+# The mark: an identity whose backward pass finishes the total cotangent
+
+
+def _finished_fwd(spec: Finish, w: Any, *operands: Any) -> tuple[Any, tuple]:
+    return w, operands
+
+
+def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
+    # A bwd rule may not return a quax value; a primitive whose quax rule builds one
+    # can, because under the trace its output is a tracer.
+    return (finish_p.bind(ct, *operands, spec=spec), *(None for _ in operands))
+
+
+# The identity on `w`; `spec` and the operands only parameterise the backward pass.
+_finished = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
+_finished.defvjp(_finished_fwd, _finished_bwd)
+
+
+mark_p = jexc.Primitive("mark_cotangent")
+mark_p.def_impl(lambda w, *operands, spec: w)
+mark_p.def_abstract_eval(lambda w, *operands, spec: w)
+mlir.register_lowering(
+    mark_p, mlir.lower_fun(lambda w, *operands, spec: w, multiple_results=False)
+)
+
+
+def _mark_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
+    # A trace cached with the mark in it (say by `jax.jit` under `grad`) and then
+    # differentiated by plain JAX: the mark is the custom_vjp identity there, so
+    # linearising and transposing finish the cotangent densely, as elsewhere.
+    w, *operands = primals
+    tangent = ad.instantiate_zeros(tangents[0])
+    return jax.jvp(lambda w: _finished(spec, w, *operands), (w,), (tangent,))
+
+
+def _mark_batch(args: tuple, dims: tuple, *, spec: Finish) -> tuple:
+    mapped = jax.vmap(lambda w, *ops: _finished(spec, w, *ops), in_axes=tuple(dims))
+    return mapped(*args), 0
+
+
+batching.primitive_batchers[mark_p] = _mark_batch
+ad.primitive_jvps[mark_p] = _mark_jvp
+
+
+class Marked(quax.ArrayValue):
+    """A marked weight inside the inner trace: `array` `(*batch, m, n)` (or its
+    transpose in the last two dims), seen in `compute_dtype` when a cast was applied
+    (`None`: `array`'s own dtype).
+
+    `view`, when set, is `(rows, cols, perm)`: the weight is seen as the array
+    `(*batch, *rows, *cols)` that `array` reshapes to (`prod(rows) == m`,
+    `prod(cols) == n`), its non-batch dims transposed by `perm` (a reshape that
+    splits or merges one
+    side, such as `(d, h * k)` to `(d, h, k)`, keeps the mark).
+
+    Its cotangent stays compressed where it meets `dot_general` (and a row gather for
+    a row mark); every other use takes the weight itself and makes its cotangent
+    dense, counted as a densification of `Marked`.
+    """
+
+    array: Array
+    kind: str = eqx.field(static=True)
+    transposed: bool = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True, default=None)
+    view: tuple | None = eqx.field(static=True, default=None)
+
+    def aval(self) -> jax.core.ShapedArray:
+        if self.view is None and (not self.transposed or self.array.ndim == 2):
+            # The weight's own type, with its sharding and varying mesh axes: JAX's
+            # sharding and `check_vma` inference read them from the operands.
+            typed = _sharding.transposed_type(jax.typeof(self.array), self.transposed)
+            if self.compute_dtype is not None:
+                typed = typed.update(dtype=self.compute_dtype, weak_type=False)
+            return typed
+        shape = jnp.shape(self.array)
+        if self.view is not None:
+            rows, cols, _ = self.view
+            canonical = shape[:-2] + tuple(rows) + tuple(cols)
+            shape = tuple(canonical[p] for p in full_perm(self.view, len(shape) - 2))
+        elif self.transposed:
+            shape = shape[:-2] + shape[-2:][::-1]
+        return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
+
+    def materialise(self) -> Array:
+        return seen(self.array, self.transposed, self.compute_dtype, self.view)
+
+    def replace(self, **changes: Any) -> "Marked":
+        fields = dict(
+            array=self.array,
+            kind=self.kind,
+            transposed=self.transposed,
+            compute_dtype=self.compute_dtype,
+            view=self.view,
+        )
+        return Marked(**{**fields, **changes})
+
+    def statics(self) -> dict[str, Any]:
+        """Everything but `array`: `Marked(array, **statics)` rebuilds it."""
+        return dict(
+            kind=self.kind,
+            transposed=self.transposed,
+            compute_dtype=self.compute_dtype,
+            view=self.view,
+        )
+
+    @staticmethod
+    def default(primitive: jexc.Primitive, values: Any, params: dict) -> Any:
+        # The weight itself, exactly; but its cotangent from this use is dense.
+        if any(isinstance(v, Marked) for v in values):
+            _fallback.record_densification(
+                primitive.name,
+                ("Marked",),
+                "a use of a marked weight other than a matmul (or a row gather of a "
+                "row-marked table) gives it a dense cotangent",
+            )
+        arrays = [v.materialise() if isinstance(v, Marked) else v for v in values]
+        return primitive.bind(*arrays, **params)
+
+
+def full_perm(view: tuple, batch_ndim: int) -> tuple[int, ...]:
+    """A view's permutation of the matrix dims, with the batch dims in front (the
+    view stores only the former, so that slicing batch dims leaves it valid)."""
+    return tuple(range(batch_ndim)) + tuple(batch_ndim + p for p in view[2])
+
+
+def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array:
+    """The array a marked weight `array` is seen as (see `Marked`)."""
+    if view is not None:
+        rows, cols, _ = view
+        nb = array.ndim - 2
+        array = array.reshape(array.shape[:-2] + tuple(rows) + tuple(cols))
+        array = jnp.transpose(array, full_perm(view, nb))
+    elif transposed:
+        array = jnp.swapaxes(array, -1, -2)
+    return array if cast is None else array.astype(cast)
+
+
+@rule(mark_p)
+def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
+    return Marked(_finished(spec, w, *operands), spec.kind, False)
+
+
+@rule(jax.lax.transpose_p, dense_output=True)
+def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
+    if w.view is not None:
+        return _marked_views.transpose_view(w, tuple(permutation))
+    nb = w.ndim - 2
+    batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
+    if batch != tuple(range(nb)):
+        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
+    return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
+
+
+@rule(jax.lax.convert_element_type_p, dense_output=True)
+def _convert_marked(w: Marked, *, new_dtype: Any, **params: Any) -> Any:
+    """A floating cast (a bf16 compute copy of an f32 weight) keeps the mark: the
+    products use the cast weight, and the gradient's factors are cast back to the
+    weight's dtype."""
+    if not jnp.issubdtype(new_dtype, jnp.floating):
+        return Marked.default(
+            jax.lax.convert_element_type_p, (w,), dict(new_dtype=new_dtype, **params)
+        )
+    same = jnp.dtype(new_dtype) == w.array.dtype
+    return w.replace(compute_dtype=None if same else jnp.dtype(new_dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# dot_general with a marked weight
+
+
+def factored_product(gradient_factors: Callable) -> Callable:
+    """`product(dot, x, w) = dot.bind(x, w)`, whose backward pass gives `x` its usual
+    cotangent and `w` the `outer_sum_p` of `gradient_factors(dot, x, ct)`: the
+    factors `(a, b)` of the weight's gradient `a^T b`, never the product itself."""
+
+    def forward(dot: Any, x: Any, w: Any) -> tuple[Any, tuple]:
+        return dot.bind(x, w), (x, w)
+
+    def backward(dot: Any, residuals: tuple, ct: Any) -> tuple:
+        x, w = residuals
+        _, pullback = jax.vjp(lambda x: dot.bind(x, w), x)
+        (ct_x,) = pullback(ct)
+        a, b = gradient_factors(dot, x, ct)
+        a, b = a.astype(w.dtype), b.astype(w.dtype)
+        return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
+
+    product = jax.custom_vjp(lambda dot, x, w: dot.bind(x, w), nondiff_argnums=(0,))
+    product.defvjp(forward, backward)
+    return product
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dot:
+    """A `dot_general` whose operand `w_is_lhs` is the (maybe transposed, maybe cast)
+    weight with `batch_ndim` leading batch dims."""
+
+    params: tuple
+    w_is_lhs: bool
+    transposed: bool
+    batch_ndim: int = 0
+    cast: Any = None
+
+    def bind(self, x: Any, w: Any) -> Any:
+        w = jnp.swapaxes(w, -1, -2) if self.transposed else w
+        w = w if self.cast is None else w.astype(self.cast)
+        lhs, rhs = (w, x) if self.w_is_lhs else (x, w)
+        return jax.lax.dot_general_p.bind(lhs, rhs, **dict(self.params))
+
+
+def _dims(dot: _Dot) -> tuple[tuple, tuple, tuple, tuple]:
+    """`(x's contracting, w's contracting, x's batch, w's batch)` dims."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = dict(dot.params)["dimension_numbers"]
+    if dot.w_is_lhs:
+        return tuple(rhs_c), tuple(lhs_c), tuple(rhs_b), tuple(lhs_b)
+    return tuple(lhs_c), tuple(rhs_c), tuple(lhs_b), tuple(rhs_b)
+
+
+def _contraction(dot: _Dot) -> tuple[int, int] | None:
+    """`(x's contracting dim, w's contracting dim)` when the dot contracts exactly
+    one matrix dim of the weight and its batch dims are exactly the weight's batch
+    dims, in order; otherwise `None`."""
+    x_c, w_c, _, w_b = _dims(dot)
+    nb = dot.batch_ndim
+    if w_b != tuple(range(nb)) or len(w_c) != 1 or w_c[0] < nb:
+        return None
+    return x_c[0], w_c[0]
+
+
+def _gradient_factors(dot: _Dot, x: Array, ct: Array) -> tuple[Array, Array]:
+    """`(a, b)` `(*batch, R, .)` with the weight's gradient `a^T b` per batch
+    element: `x` and `ct` flattened over the rows that the product sums over."""
+    contraction = _contraction(dot)
+    assert contraction is not None
+    x_c, w_c = contraction
+    _, _, x_b, _ = _dims(dot)
+    nb = dot.batch_ndim
+    rows_x = jnp.moveaxis(x, (*x_b, x_c), (*range(nb), x.ndim - 1))
+    rows_x = rows_x.reshape(rows_x.shape[:nb] + (-1, rows_x.shape[-1]))
+    # The output is (*batch, lhs free, rhs free); the weight's one free dim comes
+    # first among the free dims (w on the left) or last.
+    rows_ct = jnp.moveaxis(ct, nb, -1) if dot.w_is_lhs else ct
+    rows_ct = rows_ct.reshape(rows_ct.shape[:nb] + (-1, rows_ct.shape[-1]))
+    # The gradient of the operand (w or w.T) is x^T ct if its contracting dim comes
+    # first, ct^T x otherwise; transposing the operand swaps them again.
+    x_first = (w_c == nb) != dot.transposed
+    return (rows_x, rows_ct) if x_first else (rows_ct, rows_x)
+
+
+_factored_dot = factored_product(_gradient_factors)
+
+
+def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
+    if w.view is not None:
+        return _marked_views.dot_view(x, w, w_is_lhs, params)
+    dot = _Dot(
+        tuple(sorted(params.items())),
+        w_is_lhs,
+        w.transposed,
+        w.ndim - 2,
+        w.compute_dtype,
+    )
+    if w.kind != "rows" and _contraction(dot) is None:
+        _record_other_contraction(w, dot)
+        operands = (w.materialise(), x) if w_is_lhs else (x, w.materialise())
+        return jax.lax.dot_general_p.bind(*operands, **params)
+    if w.kind == "rows":
+        return Marked.default(
+            jax.lax.dot_general_p, (w, x) if w_is_lhs else (x, w), params
+        )
+    return _factored_dot(dot, x, w.array)
+
+
+def _record_other_contraction(w: Marked, dot: _Dot) -> None:
+    """Counts a product that does not contract exactly one side of each matrix of
+    the marked stack, and says why: a `(d, heads, head_dim)` weight marked in its
+    own dims is a stack of `d` matrices `(heads, head_dim)`, and contracting `d`
+    contracts its stack dim."""
+    _, w_c, _, w_b = _dims(dot)
+    nb = dot.batch_ndim
+    shape = tuple(w.aval().shape)
+    _fallback.record_densification(
+        "dot_general",
+        ("Marked",),
+        f"a product that contracts dims {list(w_c)} and batches dims {list(w_b)} of "
+        f"a marked weight of shape {list(shape)}, which the mark sees as a stack "
+        f"{list(shape[:nb])} of {shape[nb:]} matrices: its cotangent stays "
+        "compressed only for a product that contracts one side of each matrix, "
+        "with the stack dims as batch dims",
+        "Store such a weight as the matrix the product uses (a `(d, heads, "
+        "head_dim)` weight as `(d, heads * head_dim)`) and reshape it in the "
+        "forward pass, or compute its gradient with "
+        "`quax_tangents.optax.accumulate_gradients` and `projected(dims=...)`, "
+        "which mark the matrix view.",
+    )
+
+
+@rule(jax.lax.dot_general_p, dense_output=True)
+def _dot_dense_marked(x: ArrayLike, w: Marked, **params: Any) -> Array:
+    return _dot_marked(x, w, False, params)
+
+
+@rule(jax.lax.dot_general_p, dense_output=True)
+def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
+    return _dot_marked(x, w, True, params)
+
+
+# Row gathers of a row-marked table, reshaped and device-varying views of a marked
+# weight; imported last, as they build on `Marked`.
+from . import _marked_rows, _marked_sharding, _marked_views  # noqa: E402, F401

@@ -1,0 +1,428 @@
+"""Construction primitives of the cotangents that are born compressed.
+
+- `outer_sum_p(a, b)`: the weight gradient `a^T b` of one `dot_general` use, kept as
+    an `OuterSum` of its factors under quax.
+- `rows_p(ids, rows)`: the table gradient of one row gather, a `SparseRows` under
+    quax (a scatter-add into zeros outside it).
+- `finish_p(ct, *operands, spec=)`: a marked weight's total cotangent turned into its
+    final form: a `LowRank` under the rank budget, a projection onto a rank-`r`
+    subspace of the smaller side, or deduplicated rows.
+
+Outside a quax trace each one computes its dense semantics, so that plain `jax.grad`
+of code with marks computes the same numbers densely.
+"""
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.core
+import jax.extend.core as jexc
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array, ArrayLike
+
+from .._autodiff._primitives import (
+    _define as define_batched,
+    _outer_abstract,
+    _outer_dense,
+)
+from .._core._fallback import record_densification
+from .._core._inplace import as_bits, from_bits
+from .._core._registry import rule
+from .._core._unchecked import unchecked
+from .._distributed import _sharding
+from .._types.lowrank import LowRank, within_budget
+from .._types.outer import OuterSum
+from .._types.rows import SparseRows
+
+
+def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:
+    primitive.def_impl(dense)
+    primitive.def_abstract_eval(abstract)
+    mlir.register_lowering(primitive, mlir.lower_fun(dense, multiple_results=False))
+
+
+# ---------------------------------------------------------------------------------------
+# outer_sum: (a, b) -> a^T b, the gradient of a weight from one dot_general use, for
+# `a` `(*batch, R, m)` and `b` `(*batch, R, n)` (one gradient per batch element)
+
+outer_sum_p = jexc.Primitive("outer_sum")
+define_batched(outer_sum_p, _outer_dense, _outer_abstract)
+
+
+@rule(outer_sum_p)
+def _outer_sum(a: ArrayLike, b: ArrayLike, *, batch_ndim: int) -> OuterSum:
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    return OuterSum(jnp.swapaxes(a, -1, -2), jnp.swapaxes(b, -1, -2))
+
+
+# ---------------------------------------------------------------------------------------
+# rows: (ids, rows) -> zeros (num_rows, d) with rows[i] added at row ids[i]
+
+rows_p = jexc.Primitive("rows")
+
+
+def _rows_dense(ids: Array, rows: Array, *, num_rows: int) -> Array:
+    zeros = jnp.zeros((num_rows, *rows.shape[1:]), rows.dtype)
+    return zeros.at[ids].add(rows, mode="drop")
+
+
+def _rows_abstract(ids: Any, rows: Any, *, num_rows: int) -> jax.core.ShapedArray:
+    return jax.core.ShapedArray((num_rows, *rows.shape[1:]), rows.dtype)
+
+
+_define(rows_p, _rows_dense, _rows_abstract)
+
+
+@rule(rows_p)
+def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
+    return SparseRows.build(jnp.asarray(ids), jnp.asarray(rows), num_rows)
+
+
+# ---------------------------------------------------------------------------------------
+# finish: a marked weight's total cotangent in its final form
+
+
+Kind = Literal["factored", "projected", "rows"]
+Source = Literal["given", "given_into", "fresh", "switch", "sketch", "sketch_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """What `finish_p` makes of a cotangent, and which operands follow it.
+
+    `source` says where a projection's projector comes from: `"given"` (operands:
+    the projector), `"fresh"` (operands: the key data) or `"switch"` (operands: the
+    projector, a bool saying "refresh", the key data). `"sketch"` (operands: a test
+    matrix `Ω`) and `"sketch_key"` (operands: the key data `Ω` is drawn from, as the
+    range finder of `"fresh"` draws it) give `G Ω` instead of a projection.
+    `"given_into"` (operands: the projector, a sum `S` of earlier factors) gives
+    `LowRank(P, S + G^T P)`, written over `S` slice by slice: how
+    `quax_tangents.optax.accumulate_gradients` adds microbatches up without a second
+    factor-sized buffer.
+    """
+
+    kind: Kind
+    rank: int = 0
+    iters: int = 0
+    source: Source = "fresh"
+    key_impl: str = "threefry2x32"
+    oversample: int = 4
+
+
+finish_p = jexc.Primitive("finish")
+
+
+def _work_dtype(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _orthonormal(x: Array) -> Array:
+    # Not `jnp.linalg.qr`, which refuses rows sharded over an explicit mesh axis:
+    # shifted Cholesky-QR then two eigh passes on small Gram matrices, exact to
+    # rounding against QR's range (see `_sharding.orthonormal_columns`).
+    return _sharding.orthonormal_columns(x)
+
+
+def _range_basis(
+    apply: Callable, apply_t: Callable, shape: tuple[int, int], spec: Finish, key: Any
+) -> Array:
+    """An orthonormal `(m, rank)` basis of the dominant column space of the `(m, n)`
+    matrix `G` that `apply(v) = G v` and `apply_t(u) = G^T u` act as: a randomized
+    range finder with `spec.iters` power iterations and a little oversampling,
+    truncated with the top left singular vectors of the small `width x n` matrix
+    `Y^T G` (from its `width x width` Gram matrix, so that `n` may be sharded)."""
+    m, n = shape
+    sketch = test_matrix(key, shape, spec.rank, spec.oversample)
+    basis = _orthonormal(apply(sketch))
+    for _ in range(spec.iters):
+        basis = _orthonormal(apply(_orthonormal(apply_t(basis))))
+    u = _sharding.top_left_singular(apply_t(basis).T, spec.rank)
+    projector = _sharding.matmul(basis, u)
+    return projector * _sharding.column_signs(projector)
+
+
+def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:
+    """Columns of the range finder's test matrix for a rank-`rank` projector."""
+    return min(rank + oversample, *shape)
+
+
+def test_matrix(key: Any, shape: tuple[int, int], rank: int, oversample: int) -> Array:
+    """The range finder's Gaussian test matrix `(n, width)` for the `(m, n)` matrix
+    whose column space it finds (`m` the smaller side of the weight)."""
+    width = sketch_width(shape, rank, oversample)
+    return jax.random.normal(key, (shape[1], width), _work_dtype(jnp.float32))
+
+
+def _sketch(operands: tuple, apply: Callable, m_le_n: bool, dtype: Any) -> LowRank:
+    """`Y = G Ω` for the test matrix `Ω` given, as `LowRank(Y, Ω)` (or `(Ω, Y)` for a
+    tall weight): a value of the weight's shape that carries the sketch."""
+    omega = operands[0]
+    sketch = apply(omega.astype(_work_dtype(omega.dtype))).astype(dtype)
+    omega = omega.astype(dtype)
+    return LowRank(sketch, omega) if m_le_n else LowRank(omega, sketch)
+
+
+def _key(spec: Finish, key_data: Array) -> Any:
+    return jax.random.wrap_key_data(key_data, impl=spec.key_impl)
+
+
+def _projector(
+    spec: Finish, operands: tuple, apply: Callable, apply_t: Callable, shape: tuple
+) -> Array:
+    """The projector this step uses, in the working dtype."""
+    if spec.source in ("given", "given_into"):
+        return operands[0].astype(_work_dtype(operands[0].dtype))
+    fresh = lambda: _range_basis(apply, apply_t, shape, spec, _key(spec, operands[-1]))  # noqa: E731
+    if spec.source == "fresh":
+        return fresh()
+    given, refresh = operands[0], operands[1]
+    given = given.astype(_work_dtype(given.dtype))
+    # Both cases of the switch must share a sharding (explicit mesh axes).
+    return jax.lax.cond(refresh, lambda: _sharding.like(fresh(), given), lambda: given)
+
+
+def _projected(
+    spec: Finish,
+    operands: tuple,
+    apply: Callable,
+    apply_t: Callable,
+    shape: tuple[int, ...],
+    dtype: Any,
+) -> LowRank:
+    """`LowRank(P, G^T P)` for `m <= n`, `LowRank(G Q, Q)` for `m > n`, from the
+    products of `G` alone."""
+    m, n = shape
+    if m > n:  # project G^T, whose smaller side comes first
+        apply, apply_t, shape = apply_t, apply, (n, m)
+    if spec.source == "sketch":
+        return _sketch(operands, apply, m <= n, dtype)
+    if spec.source == "sketch_key":
+        # Drawn here, one slice at a time inside a scan over stacked layers, rather
+        # than for every layer at once before the pass.
+        key = _key(spec, operands[0])
+        omega = test_matrix(key, shape, spec.rank, spec.oversample)
+        return _sketch((omega,), apply, m <= n, dtype)
+    basis = _projector(spec, operands, apply, apply_t, shape)
+    if spec.source in ("given", "given_into"):
+        basis_out = operands[0].astype(dtype)  # exactly the projector given
+    else:
+        basis_out = basis.astype(dtype)
+    other = apply_t(basis)
+    if spec.source == "given_into":
+        other = other + operands[1].astype(other.dtype)
+    other = other.astype(dtype)
+    # Computed, not user input: a NaN in the gradient flows on (see `_unchecked`).
+    if m <= n:
+        return unchecked(LowRank, left=basis_out, right=other, projector_side="left")
+    return unchecked(LowRank, left=other, right=basis_out, projector_side="right")
+
+
+def _per_slice(spec: Finish) -> tuple[bool, ...]:
+    """Which operands of a projection hold one entry per slice of a stacked weight
+    (the projector and the key data); `refresh` is shared by every slice."""
+    return {
+        "given": (True,),
+        "given_into": (True, True),
+        "fresh": (True,),
+        "switch": (True, False, True),
+        "sketch": (True,),
+        "sketch_key": (True,),
+    }[spec.source]
+
+
+def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:
+    """`fn(*arrays, *operands)` for one matrix, over `batch_ndim` leading dims of
+    the arrays and of the per-slice operands: one slice after another
+    (`lax.map`), so that a slice's working buffers (its test matrix, the float32
+    products, a refresh's range finder) are live one slice at a time, and a
+    `lax.cond` between keeping and refreshing a projector stays a branch."""
+    if batch_ndim == 0:
+        return fn
+    if spec.source == "given_into":
+        return _into_slices(fn, batch_ndim)
+    per_slice = (True,) * arrays + _per_slice(spec)
+
+    def mapped(*args: Any) -> Any:
+        batch = args[0].shape[:batch_ndim]
+        sliced = [
+            a.reshape(-1, *a.shape[batch_ndim:]) if cut else None
+            for a, cut in zip(args, per_slice)
+        ]
+        shared = [None if cut else a for a, cut in zip(args, per_slice)]
+
+        def one(xs: tuple) -> Any:
+            full = [x if cut else y for x, y, cut in zip(xs, shared, per_slice)]
+            return fn(*full)
+
+        out = jax.lax.map(one, tuple(sliced))
+        return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+
+    return mapped
+
+
+def _into_slices(fn: Callable, batch_ndim: int) -> Callable:
+    """`fn(*arrays, projector, sum)` of a `"given_into"` finish, slice by slice in a
+    loop that writes each slice's new sum over the old one (in place), so that the
+    stack of sums is the only factor-sized buffer."""
+
+    def mapped(*args: Any) -> LowRank:
+        *arrays, projector, total = args
+        batch = total.shape[:batch_ndim]
+        flat = lambda a: a.reshape(-1, *a.shape[batch_ndim:])  # noqa: E731
+        arrays, projector, start = (
+            [flat(a) for a in arrays],
+            flat(projector),
+            flat(total),
+        )
+        left_side: list[bool] = []
+
+        def body(i: Any, buffer: Any) -> Any:
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
+            old = from_bits(take(buffer), total.dtype)
+            out = fn(*[take(a) for a in arrays], take(projector), old)
+            left_side.append(out.projector_side == "left")
+            new = as_bits(
+                (out.right if left_side[-1] else out.left).astype(total.dtype)
+            )
+            return jax.lax.dynamic_update_index_in_dim(buffer, new, i, 0)
+
+        sums = jax.lax.fori_loop(0, start.shape[0], body, as_bits(start))
+        sums = from_bits(sums, total.dtype).reshape(total.shape)
+        basis = projector.reshape(*batch, *projector.shape[1:]).astype(total.dtype)
+        if left_side[0]:
+            return unchecked(LowRank, left=basis, right=sums, projector_side="left")
+        return unchecked(LowRank, left=sums, right=basis, projector_side="right")
+
+    return mapped
+
+
+def _project_factors(spec: Finish, left: Array, right: Array, *operands) -> LowRank:
+    apply, apply_t = _factor_products(left, right)
+    shape = (left.shape[0], right.shape[0])
+    return _projected(spec, operands, apply, apply_t, shape, left.dtype)
+
+
+def _project_dense(spec: Finish, g: Array, *operands: Array) -> LowRank:
+    apply, apply_t = _dense_products(g)
+    return _projected(spec, operands, apply, apply_t, g.shape, g.dtype)
+
+
+def project_outer(spec: Finish, ct: OuterSum, operands: tuple) -> LowRank:
+    """The projection of a (stacked) `OuterSum`, slice by slice."""
+    fn = _over_slices(ft.partial(_project_factors, spec), spec, 2, ct.batch_ndim)
+    return fn(ct.left, ct.right, *operands)
+
+
+def project_dense(spec: Finish, g: Array, operands: tuple) -> LowRank:
+    """The projection of a (stacked) dense gradient, slice by slice."""
+    fn = _over_slices(ft.partial(_project_dense, spec), spec, 1, g.ndim - 2)
+    return fn(g, *operands)
+
+
+def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:
+    """`v -> G v` and `u -> G^T u` for `G = left @ right.T`, in the working dtype."""
+    work = _work_dtype(left.dtype)
+    left, right = left.astype(work), right.astype(work)
+    mm = _sharding.matmul
+    return (lambda v: mm(left, mm(right.T, v))), (lambda u: mm(right, mm(left.T, u)))
+
+
+def _dense_products(g: Array) -> tuple[Callable, Callable]:
+    g = g.astype(_work_dtype(g.dtype))
+    return (lambda v: _sharding.matmul(g, v)), (lambda u: _sharding.matmul(g.T, u))
+
+
+def _finish_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
+    if spec.kind != "projected":
+        return ct
+    return project_dense(spec, ct, operands).materialise()
+
+
+def _finish_abstract(ct: Any, *operands: Any, spec: Finish) -> jax.core.ShapedArray:
+    # The cotangent's own type: its sharding and varying mesh axes too.
+    return ct
+
+
+_define(finish_p, _finish_dense, _finish_abstract)
+
+
+def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
+    # Linear in the cotangent for a given projector; the operands are constants.
+    tangent = ad.instantiate_zeros(tangents[0])
+    if spec.source == "given_into":  # affine: the sum does not move with `ct`
+        linear = dataclasses.replace(spec, source="given")
+        return finish_p.bind(*primals, spec=spec), finish_p.bind(
+            tangent, primals[1], spec=linear
+        )
+    return finish_p.bind(*primals, spec=spec), finish_p.bind(
+        tangent, *primals[1:], spec=spec
+    )
+
+
+ad.primitive_jvps[finish_p] = _finish_jvp
+
+
+def _finish_batch(args: tuple, dims: tuple, *, spec: Finish) -> tuple:
+    # One dense finish per batch element (a vmapped loss with a mark, differentiated
+    # by plain JAX).
+    finish = lambda ct, *ops: _finish_dense(ct, *ops, spec=spec)  # noqa: E731
+    return jax.vmap(finish, in_axes=tuple(dims))(*args), 0
+
+
+batching.primitive_batchers[finish_p] = _finish_batch
+
+
+@rule(finish_p)
+def _finish_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Any:
+    if spec.kind == "factored":
+        return within_budget(finish_p, ct.left, ct.right)
+    if spec.kind == "projected":
+        return project_outer(spec, ct, operands)
+    record_densification(finish_p.name, ("OuterSum",), "a matmul of a row-marked table")
+    return ct.materialise()
+
+
+@rule(finish_p, dense_output=True)
+def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
+    # A dense total: some use of the weight had no compressed form. It is counted
+    # here, where the mark had to take a dense cotangent, whatever made it dense. A
+    # projection still compresses it.
+    ct = jnp.asarray(ct)
+    record_densification(
+        finish_p.name, ("Marked",), "the marked weight's total cotangent is dense"
+    )
+    if spec.kind != "projected":
+        return ct
+    return project_dense(spec, ct, operands)
+
+
+@rule(finish_p)
+def _finish_rows(ct: SparseRows, *operands: ArrayLike, spec: Finish) -> Any:
+    if spec.kind != "rows":
+        record_densification(finish_p.name, ("SparseRows",), "a row gather of a matrix")
+        dense = ct.materialise()
+        return (
+            project_dense(spec, dense, operands) if spec.kind == "projected" else dense
+        )
+    return unique_rows(ct)
+
+
+def unique_rows(x: SparseRows) -> SparseRows:
+    """The same array with each row number stored once per slice (duplicates
+    summed), padded with zero rows at row 0 to the same number of stored rows."""
+
+    def one(indices: Array, rows: Array) -> tuple[Array, Array]:
+        ids, inverse = jnp.unique(
+            indices, size=indices.shape[0], fill_value=0, return_inverse=True
+        )
+        return ids, jnp.zeros_like(rows).at[inverse.reshape(-1)].add(rows)
+
+    for _ in range(x.batch_ndim):
+        one = jax.vmap(one)
+    ids, rows = one(x.indices, x.rows)
+    return SparseRows.build(ids, rows, x.num_rows)

@@ -1,0 +1,578 @@
+"""Cotangent marks on stacked weights applied with `lax.scan`, on weights cast for
+compute, and in losses computed in chunks: checked against the dense gradient and
+against the compiled program's buffers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import quax_tangents as qt
+from tests.helpers import assert_close, random_array
+from tests.helpers.stacked import (
+    orthonormal,
+    project,
+    scanned,
+    stacked_params,
+    weight_buffers,
+)
+
+
+M, N, R = 6, 8, 2
+X = random_array(5, (2, M))  # two rows: a factored gradient stays within budget
+SIDES = {"w": "left", "v": "right"}
+BATCHES = {"one batch dim": (3,), "two batch dims": (2, 2)}
+
+
+def _projectors(batch):
+    return {"w": orthonormal(3, (*batch, M, R)), "v": orthonormal(4, (*batch, M, R))}
+
+
+def _mark_all(kind, projectors):
+    def mark(name, w):
+        if kind == "factored":
+            return qt.factored_cotangent(w)
+        if kind == "given":
+            return qt.projected_cotangent(w, R, projector=projectors[name])
+        if kind == "switch":
+            projector = qt.Projector(projectors[name], jnp.asarray(False))
+            return qt.projected_cotangent(w, R, projector=projector)
+        return qt.projected_cotangent(w, R, key=jax.random.key(1))
+
+    return lambda params: {name: mark(name, w) for name, w in params.items()}
+
+
+def _loss(params, mark=None, remat=False):
+    if mark is not None:
+        params = mark(params)
+    return jnp.sum(scanned(X, params, remat=remat) ** 2)
+
+
+def _check_projected(grads, dense, batch, kind, projectors):
+    for name, side in SIDES.items():
+        grad = grads[name]
+        assert isinstance(grad, qt.LowRank) and grad.batch_ndim == len(batch)
+        if kind == "factored":
+            assert grad.projector_side is None
+            assert_close(grad, dense[name])
+            continue
+        assert grad.projector_side == side
+        projector = grad.left if side == "left" else grad.right
+        assert projector.shape == (*batch, M, R)
+        if kind in ("given", "switch"):
+            np.testing.assert_array_equal(projector, projectors[name])
+        else:  # fresh: one orthonormal projector per slice
+            gram = jnp.swapaxes(projector, -1, -2) @ projector
+            assert_close(gram, jnp.broadcast_to(jnp.eye(R), gram.shape))
+        assert_close(grad, project(dense[name], projector, side))
+
+
+# ---------------------------------------------------------------------------------------
+# Stacked weights applied with lax.scan
+
+
+CASES = [
+    # (kind, batch, remat): every mark with checkpointed bodies, as LLM code runs
+    # them, and one plain body.
+    *[
+        (kind, batch, True)
+        for kind in ("factored", "given", "switch", "fresh")
+        for batch in BATCHES.values()
+    ],
+    ("given", (3,), False),
+]
+
+
+def _maybe_jit(grad, compiled):
+    return jax.jit(grad, static_argnums=(1, 2)) if compiled else grad
+
+
+@pytest.mark.parametrize("kind, batch, remat", CASES)
+def test_stacked_weights_marked_outside_the_scan(kind, batch, remat):
+    params, projectors = stacked_params(batch, M, N), _projectors(batch)
+    mark = _mark_all(kind, projectors)
+    # Compiled, as training steps run (eagerly, the checkpointed nested scans of a
+    # switched projector cost ten times as much); the plain body runs eagerly.
+    compiled = remat
+    with qt.fallback("error"):
+        grads = _maybe_jit(qt.grad(_loss), compiled)(params, mark, remat)
+    dense = _maybe_jit(jax.grad(_loss), compiled)(params, None, remat)
+    _check_projected(grads, dense, batch, kind, projectors)
+    # Plain jax.grad with the marks computes the same projections densely.
+    plain = _maybe_jit(jax.grad(_loss), compiled)(params, mark, remat)
+    for name in SIDES:
+        assert_close(plain[name], grads[name], factor=10.0)
+
+
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_each_slice_marked_inside_the_body(batch):
+    params, projectors = stacked_params(batch, M, N), _projectors(batch)
+
+    def loss(params):
+        with_projectors = {**params, "Pw": projectors["w"], "Pv": projectors["v"]}
+
+        def mark_slice(p):
+            return {
+                "w": qt.projected_cotangent(p["w"], R, projector=p["Pw"]),
+                "v": qt.projected_cotangent(p["v"], R, projector=p["Pv"]),
+            }
+
+        return jnp.sum(scanned(X, with_projectors, mark_slice=mark_slice) ** 2)
+
+    with qt.fallback("error"):
+        grads = qt.grad(loss)(params)
+    dense = jax.grad(_loss)(params)
+    _check_projected({k: grads[k] for k in SIDES}, dense, batch, "given", projectors)
+
+
+V, D = 10, 4
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_stacked_tables_keep_the_rows_read(where):
+    tables = random_array(0, (3, V, D))
+    ids = jnp.asarray([[1, 3, 3], [0, 9, 2], [4, 4, 4]])
+
+    def loss(tables, marked):
+        if marked and where == "outside":
+            tables = qt.sparse_rows_cotangent(tables)
+
+        def body(total, layer):
+            table, i = layer
+            if marked and where == "inside":
+                table = qt.sparse_rows_cotangent(table)
+            return total + jnp.sum(jnp.sin(table[i]) * jnp.arange(D)), None
+
+        return jax.lax.scan(body, 0.0, (tables, ids))[0]
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(tables, True)
+    assert isinstance(grad, qt.SparseRows) and grad.batch_ndim == 1
+    assert grad.indices.shape == ids.shape
+    assert_close(grad, jax.grad(loss)(tables, False))
+    # Each slice stores its distinct rows once.
+    for layer in range(3):
+        stored = np.asarray(grad.indices[layer])[
+            np.any(np.asarray(grad.rows[layer]) != 0, axis=-1)
+        ]
+        assert sorted(stored) == sorted(set(np.asarray(ids[layer]).tolist()))
+
+
+def test_projector_init_for_a_stacked_weight():
+    placeholder = qt.Projector.init((2, 3, N, M), R, jnp.bfloat16)
+    assert placeholder.matrix.shape == (2, 3, M, R)
+    assert placeholder.matrix.dtype == jnp.bfloat16 and bool(placeholder.refresh)
+
+
+def test_fresh_projectors_use_one_key_per_slice():
+    params = stacked_params((3,), M, N)
+    grads = qt.grad(_loss)(params, _mark_all("fresh", None))
+    left = np.asarray(grads["w"].left)
+    # Slices see different gradients and different test matrices.
+    assert not np.allclose(left[0], left[1])
+
+
+# ---------------------------------------------------------------------------------------
+# A loss computed in chunks: marked weights closed over by a scan body
+
+
+def _chunked_loss(params, chunks, mark=None, remat=True):
+    """Levanter's `batch_chunk_size`: a scan over chunks of the batch, each running
+    the scanned model; the weights are closed over by the chunk scan's body."""
+    if mark is not None:
+        params = mark(params)
+
+    def chunk(total, x):
+        return total + jnp.sum(scanned(x, params, remat=remat) ** 2), None
+
+    return jax.lax.scan(chunk, 0.0, chunks)[0]
+
+
+@pytest.mark.parametrize("kind", ["factored", "given", "fresh"])
+def test_a_chunked_loss_keeps_the_compressed_cotangent(kind):
+    batch = (2,)
+    params, projectors = stacked_params(batch, M, N), _projectors(batch)
+    # A factored gradient holds every row of every chunk: keep it within budget.
+    chunks = random_array(6, (2, 1, M) if kind == "factored" else (5, 2, M))
+    mark = _mark_all(kind, projectors)
+    qt.reset_fallback_counts()
+    with qt.fallback("error"):
+        grads = qt.grad(_chunked_loss)(params, chunks, mark)
+    assert qt.fallback_counts() == {}
+    if kind == "factored":
+        assert grads["w"].rank == 2  # the chunks' factors side by side
+    dense = jax.grad(_chunked_loss)(params, chunks)
+    _check_projected(grads, dense, batch, kind, projectors)
+
+
+def test_a_scan_over_microbatches_closing_over_one_marked_matrix():
+    w = random_array(0, (M, N))
+    p = orthonormal(3, (M, R))
+    xs = random_array(1, (13, 3, M))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+
+        def body(total, x):
+            return total + jnp.sum(jnp.tanh(x @ w) ** 2), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    qt.reset_fallback_counts()
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    assert qt.fallback_counts() == {}
+    assert grad.rank == R
+    assert_close(grad, p @ (p.T @ jax.grad(loss)(w, False)))
+
+
+# ---------------------------------------------------------------------------------------
+# The compiled step holds no weight-shaped buffer
+
+
+def _shapes(batch):
+    dims = lambda s: ",".join(map(str, s))  # noqa: E731
+    return [
+        f"f32[{dims((*batch, M * 4, N * 4))}]",
+        f"f32[{dims((M * 4, N * 4))}]",
+        f"f32[{dims((*batch, N * 4, M * 4))}]",
+        f"f32[{dims((N * 4, M * 4))}]",
+    ]
+
+
+def _big(batch):
+    """Sizes where a weight-shaped buffer is unmistakable: (*batch, 24, 32)."""
+    params = {
+        "w": random_array(0, (*batch, M * 4, N * 4)) / 8,
+        "v": random_array(1, (*batch, N * 4, M * 4)) / 8,
+    }
+    projectors = {
+        "w": orthonormal(3, (*batch, M * 4, R)),
+        "v": orthonormal(4, (*batch, M * 4, R)),
+    }
+    return params, projectors
+
+
+def _step_loss(params, projectors, chunks, marked, chunked):
+    if marked:
+        params = {
+            name: qt.projected_cotangent(w, R, projector=projectors[name])
+            for name, w in params.items()
+        }
+    if chunked:
+        return _chunked_loss(params, chunks)
+    return jnp.sum(scanned(chunks[0], params, remat=True) ** 2)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one batch", "chunked"])
+def test_no_weight_shaped_buffer_in_a_scanned_training_step(chunked):
+    batch = (3,)
+    params, projectors = _big(batch)
+    chunks = random_array(2, (4, 2, M * 4))
+
+    def step(marked):
+        grad = qt.value_and_grad if marked else jax.value_and_grad
+        return jax.jit(lambda p, P, c: grad(_step_loss)(p, P, c, marked, chunked))
+
+    args = (params, projectors, chunks)
+    for shape in _shapes(batch):
+        assert weight_buffers(step(True), args, shape) == [], shape
+    dense = [weight_buffers(step(False), args, s) for s in _shapes(batch)]
+    assert all(dense), "the unmarked step should form dense weight gradients"
+
+
+# ---------------------------------------------------------------------------------------
+# Mixed precision
+
+
+def _cast_loss(w, x, p, marked):
+    if marked:
+        w = qt.projected_cotangent(w, R, projector=p)
+    # What a jmp policy does: compute in bf16, keep the parameter in f32.
+    h = x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+    return jnp.sum(jnp.tanh(h.astype(jnp.float32)) ** 2)
+
+
+def test_a_mark_survives_a_cast_to_bf16():
+    w, x = random_array(0, (M, N)), random_array(1, (3, M))
+    p = orthonormal(3, (M, R))
+    with qt.fallback("error"):
+        grad = qt.grad(_cast_loss)(w, x, p, True)
+    assert isinstance(grad, qt.LowRank) and grad.dtype == jnp.float32
+    assert grad.projector_side == "left"
+    np.testing.assert_array_equal(grad.left, p)
+    dense = jax.grad(_cast_loss)(w, x, p, False)
+    assert_close(grad, p @ (p.T @ dense), jnp.bfloat16)
+
+
+def test_the_gradient_of_a_bf16_step_adds_no_weight_buffer():
+    w, x = random_array(0, (24, 40)), random_array(1, (3, 24))
+    p = orthonormal(3, (24, R))
+    forward = jax.jit(lambda w: _cast_loss(w, x, p, False))
+    marked = jax.jit(qt.grad(lambda w: _cast_loss(w, x, p, True)))
+    plain = jax.jit(jax.grad(lambda w: _cast_loss(w, x, p, False)))
+    for shape in ("f32[24,40]", "bf16[24,40]"):
+        # The forward pass's compute copy (XLA on CPU runs a bf16 dot in f32, so
+        # it converts the copy back) is all the marked step holds.
+        seen = len(weight_buffers(forward, (w,), shape))
+        assert len(weight_buffers(marked, (w,), shape)) <= seen, shape
+    assert len(weight_buffers(plain, (w,), "f32[24,40]")) > len(
+        weight_buffers(forward, (w,), "f32[24,40]")
+    )
+
+
+@pytest.mark.parametrize(
+    "w_dtype, p_dtype",
+    [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+    ids=["bf16 projector", "f32 projector"],
+)
+def test_a_projector_of_another_float_dtype_is_cast(w_dtype, p_dtype):
+    w, x = random_array(0, (M, N), w_dtype), random_array(1, (3, M), w_dtype)
+    p = orthonormal(3, (M, R)).astype(p_dtype)
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    assert grad.dtype == w_dtype and grad.left.dtype == w_dtype
+    np.testing.assert_array_equal(grad.left, p.astype(w_dtype))
+    q = p.astype(w_dtype).astype(jnp.float32)
+    dense = jax.grad(loss)(w, False).astype(jnp.float32)
+    assert_close(grad, q @ (q.T @ dense), jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# Microbatches: projections that share a projector add at the same rank
+
+
+def _microbatch_loss(w, x, p):
+    w = qt.projected_cotangent(w, R, projector=p)
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def _microbatches():
+    w, p = random_array(0, (M, N)), orthonormal(3, (M, R))
+    return w, p, random_array(1, (2, 3, M))
+
+
+def _dense_sum(w, p, xs):
+    g = sum(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))(w, x) for x in xs)
+    return p @ (p.T @ g)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_gradients_with_one_projector_add_at_the_same_rank(jit):
+    w, p, xs = _microbatches()
+
+    def accumulate(w, p):
+        grads = [qt.grad(_microbatch_loss)(w, x, p) for x in xs]
+        return grads[0] + grads[1]
+
+    total = (jax.jit(accumulate) if jit else accumulate)(w, p)
+    assert total.rank == R and total.projector_side == "left"
+    np.testing.assert_array_equal(total.left, p)
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+def test_two_marks_with_one_projector_add_at_the_same_rank():
+    # JAX's backward pass adds the two marks' cotangents with `add_any`.
+    w, p, xs = _microbatches()
+
+    def loss(w):
+        return _microbatch_loss(w, xs[0], p) + _microbatch_loss(w, xs[1], p)
+
+    for grad in (qt.grad(loss)(w), jax.jit(qt.grad(loss))(w)):
+        assert grad.rank == R and grad.projector_side == "left"
+        assert_close(grad, _dense_sum(w, p, xs))
+
+
+def test_microbatches_under_vmap_share_the_projector():
+    w, p, xs = _microbatches()
+    grads = jax.vmap(qt.grad(_microbatch_loss), in_axes=(None, 0, None))(w, xs, p)
+    assert grads.projector_side == "left" and grads.left.shape == (2, M, R)
+    # The projector is the same for every microbatch: the sum is the sum of the
+    # small factors (what `docs/cotangents.md` shows for vmap and scan).
+    total = qt.LowRank(p, grads.right.sum(0), projector_side="left")
+    np.testing.assert_array_equal(grads.left, jnp.broadcast_to(p, grads.left.shape))
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+def test_a_scan_over_microbatches_accumulates_the_small_factor():
+    w, p, xs = _microbatches()
+
+    def accumulate(w, p):
+        def body(right, x):
+            return right + qt.grad(_microbatch_loss)(w, x, p).right, None
+
+        right, _ = jax.lax.scan(body, jnp.zeros((N, R)), xs)
+        return qt.LowRank(p, right, projector_side="left")
+
+    total = jax.jit(accumulate)(w, p)
+    assert_close(total, _dense_sum(w, p, xs))
+
+
+# ---------------------------------------------------------------------------------------
+# A matrix seen with more dims: attention heads
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["split columns", "split rows", "contract the split side", "transposed view"],
+)
+def test_a_reshaped_view_keeps_the_mark(form):
+    d, h, k = 6, 2, 4
+    x = random_array(1, (2, 3, d))
+    heads = random_array(2, (2, 3, h, k))
+    w = random_array(0, (h * k, d) if form == "split rows" else (d, h * k))
+    p = orthonormal(3, (min(w.shape), R))
+
+    def use(w):
+        if form == "split columns":  # q = einsum("btd,dhk->bthk")
+            return jnp.einsum("btd,dhk->bthk", x, w.reshape(d, h, k))
+        if form == "split rows":  # the output projection of (h * k, d)
+            return jnp.einsum("bthk,hkd->btd", heads, w.reshape(h, k, d))
+        if form == "contract the split side":
+            return jnp.einsum("bthk,dhk->btd", heads, w.reshape(d, h, k))
+        return jnp.einsum("bthk,hkd->btd", heads, w.reshape(d, h, k).transpose(1, 2, 0))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+        return jnp.sum(jnp.sin(use(w)))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    g = jax.grad(loss)(w, False)
+    side = "left" if w.shape[0] <= w.shape[1] else "right"
+    assert grad.projector_side == side
+    assert_close(grad, project(g, p, side))
+
+
+def test_a_reshape_that_mixes_the_sides_is_counted():
+    w = random_array(0, (6, 8))
+
+    def loss(w):
+        w = qt.factored_cotangent(w)
+        return jnp.sum(jnp.sin(random_array(1, (3, 4)) @ w.reshape(4, 12)))
+
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="reshape"):
+        qt.grad(loss)(w)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_the_gradient_through_any_view_matches_dense(data):
+    # A (*batch, m, n) weight, reshaped to (*batch, *rows, *cols), its matrix dims
+    # permuted, and contracted over one whole side in a drawn order.
+    draw = data.draw
+    batch = tuple(draw(st.integers(1, 2)) for _ in range(draw(st.integers(0, 1))))
+    rows = draw(st.sampled_from([(4,), (2, 2)]))
+    cols = draw(st.sampled_from([(6,), (2, 3), (3, 2)]))
+    nb, k = len(batch), len(rows) + len(cols)
+    perm = tuple(draw(st.permutations(range(k))))
+    full = tuple(range(nb)) + tuple(nb + p for p in perm)
+    side = draw(st.sampled_from(["rows", "cols"]))
+    lo, hi = (nb, nb + len(rows)) if side == "rows" else (nb + len(rows), nb + k)
+    w_c = list(
+        draw(st.permutations([a for a in range(nb, nb + k) if lo <= full[a] < hi]))
+    )
+    w = random_array(draw(st.integers(0, 99)), (*batch, 4, 6))
+    shape = tuple((*batch, *rows, *cols)[p] for p in full)
+    # One row: a factored gradient of rank 1 stays within the budget.
+    x = random_array(7, (*batch, 1, *(shape[a] for a in w_c)))
+    x_c = tuple(range(nb + 1, x.ndim))
+    dims = ((x_c, tuple(w_c)), (tuple(range(nb)), tuple(range(nb))))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.factored_cotangent(w)
+        view = jnp.transpose(w.reshape(*batch, *rows, *cols), full)
+        return jnp.sum(jnp.sin(jax.lax.dot_general(x, view, dims)))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(w, True)
+    assert isinstance(grad, qt.LowRank) and grad.batch_ndim == nb
+    assert_close(grad, jax.grad(loss)(w, False))
+
+
+# ---------------------------------------------------------------------------------------
+# A projection that adds into a running sum (`accumulate_gradients`' steady passes)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([(), (3,)]),
+    sides=st.sampled_from([(4, 7), (7, 4)]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+)
+def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, dtype):
+    # `finish` with source "given_into" on the total cotangent, an `OuterSum` or a
+    # dense array, against the dense computation: the sum plus `G^T P` (`G Q` for a
+    # tall weight), the projector as given.
+    from quax_tangents._marks._projection import Finish, project_dense, project_outer
+    from quax_tangents._types.outer import OuterSum
+
+    m, n = sides
+    small, large, rank = min(m, n), max(m, n), 2
+    left = random_array(seed, (*batch, m, 5)).astype(dtype)
+    right = random_array(seed + 1, (*batch, n, 5)).astype(dtype)
+    projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
+    projector = projector.astype(dtype)
+    total = random_array(seed + 3, (*batch, large, rank)).astype(dtype)
+    dense = jnp.einsum(
+        "...ik,...jk->...ij", left, right, preferred_element_type=jnp.float32
+    )
+    wide = jnp.swapaxes(dense, -1, -2) if m <= n else dense
+    expected = total.astype(jnp.float32) + wide @ projector.astype(jnp.float32)
+    spec = Finish("projected", rank, 0, "given_into")
+    for got in (
+        project_outer(spec, OuterSum(left, right), (projector, total)),
+        project_dense(spec, dense.astype(dtype), (projector, total)),
+    ):
+        factor, basis = (got.right, got.left) if m <= n else (got.left, got.right)
+        assert got.projector_side == ("left" if m <= n else "right")
+        assert_close(basis, projector, dtype)
+        assert_close(factor, expected, dtype, factor=4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([(), (3,)]),
+    sides=st.sampled_from([(4, 7), (7, 4)]),
+)
+def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
+    seed, batch, sides
+):
+    # `finish` with source "sketch_key" draws each slice's test matrix `Ω` from its
+    # key, as the range finder does, and gives `LowRank(G Ω, Ω)` (`(Ω, G^T Ω)` for a
+    # tall weight): checked against the dense product with the same draws.
+    from quax_tangents._marks._projection import Finish, project_outer, test_matrix
+    from quax_tangents._types.outer import OuterSum
+
+    m, n = sides
+    small, large, rank = min(m, n), max(m, n), 2
+    left, right = (
+        random_array(seed, (*batch, m, 5)),
+        random_array(seed + 1, (*batch, n, 5)),
+    )
+    keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(batch))))
+    keys = keys.reshape(batch) if batch else keys[0]
+    got = project_outer(
+        Finish("projected", rank, 0, "sketch_key", "threefry2x32", 4),
+        OuterSum(left, right),
+        (jax.random.key_data(keys),),
+    )
+    draw = lambda k: test_matrix(k, (small, large), rank, 4)  # noqa: E731
+    omega = jax.vmap(draw)(keys) if batch else draw(keys)
+    dense = jnp.einsum("...ik,...jk->...ij", left, right)
+    wide = dense if m <= n else jnp.swapaxes(dense, -1, -2)
+    sketch, test = (got.left, got.right) if m <= n else (got.right, got.left)
+    assert_close(test, omega)
+    assert_close(sketch, wide @ omega, factor=4)
