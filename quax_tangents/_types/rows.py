@@ -228,9 +228,7 @@ def _div_dense(x: SparseRows, y: ArrayLike, **params: Any) -> SparseRows | Array
     which is not zero where `y` is."""
     y = jnp.asarray(y)
     if y.size != 1 or jnp.result_type(x.rows, y) != x.dtype:
-        return densify(
-            jax.lax.div_p, [x, y], params, reason="a quotient by an array"
-        )
+        return densify(jax.lax.div_p, [x, y], params, reason="a quotient by an array")
     return SparseRows.build(x.indices, x.rows / y.reshape(()), x.num_rows)
 
 

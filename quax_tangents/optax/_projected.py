@@ -16,9 +16,9 @@ from .._types.rows import SparseRows
 from ._apply import is_compressed, reject_compressed
 from ._common import Filter, check_int
 from ._galore_leaves import (
+    NOT_A_PROJECTION_SUM,
     DimsSpec,
     LeafPlan,
-    NOT_A_PROJECTION_SUM,
     make_plan,
     project_dense,
     rebuild,
