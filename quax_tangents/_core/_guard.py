@@ -33,9 +33,10 @@ JAX's own error unchanged.
 """
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import random as jex_random
@@ -90,7 +91,7 @@ def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
         return cached
     with jax.ensure_compile_time_eval():
         data = np.zeros((*batch_shape, 1, 1, 0), np.uint32)
-        made = jax.random.wrap_key_data(data, impl=_GUARD_IMPL)
+        made = jax.random.wrap_key_data(cast(Any, data), impl=_GUARD_IMPL)
     if not isinstance(made, jax.core.Tracer):
         _CONCRETE[batch_shape] = made
     return made
@@ -99,7 +100,9 @@ def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
 # From the abstract value: importing the package must not start JAX's backend
 # (`jax.distributed.initialize` has to come first in a multi-process program).
 _ABSTRACT_GUARD = jax.eval_shape(
-    lambda: jax.random.wrap_key_data(np.zeros((1, 1, 0), np.uint32), impl=_GUARD_IMPL)
+    lambda: jax.random.wrap_key_data(
+        cast(Any, np.zeros((1, 1, 0), np.uint32)), impl=_GUARD_IMPL
+    )
 )
 GUARD_DTYPE = _ABSTRACT_GUARD.dtype
 

@@ -175,8 +175,8 @@ def _callees(line: str) -> list[tuple[str, int | None]]:
     if call.startswith("while("):
         trip = _TRIP_COUNT.search(line)
         trips = int(trip.group(1)) if trip else None
-        return [(name, trips) for _, name in _WHILE_PARTS.findall(line)]
-    found = [(name, 1) for name in _CALLEE.findall(line)]
+        return [(str(name), trips) for _, name in _WHILE_PARTS.findall(line)]
+    found: list[tuple[str, int | None]] = [(n, 1) for n in _CALLEE.findall(line)]
     for names in _CALLEE_LIST.findall(line):
         found += [(n.strip().lstrip("%"), 1) for n in names.split(",") if n.strip()]
     return found

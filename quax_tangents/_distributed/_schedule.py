@@ -16,7 +16,7 @@ choice is made when the program is traced, at the axis size in use.
 """
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import equinox as eqx
 import jax
@@ -94,7 +94,7 @@ def cheapest_schedule(
     options = [s for s in _PREFERENCE if s in allowed and s in costs]
     if not _gathers(x):
         options = [s for s in options if s != "gather"]
-    return min(options, key=lambda s: (costs[s], options.index(s)))
+    return cast(Schedule, min(options, key=lambda s: (costs[s], options.index(s))))
 
 
 def _keeps_compressed(x: CompressedArray) -> bool:

@@ -18,6 +18,7 @@ axes, or inside `shard_map`) both are the plain computations.
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 from jax.sharding import PartitionSpec as P
@@ -50,7 +51,7 @@ def transposed_type(aval: Any, transposed: bool) -> Any:
         return aval
     sharding = getattr(aval, "sharding", None)
     spec = getattr(sharding, "spec", None)
-    if spec is None:
+    if sharding is None or spec is None:
         return aval.update(shape=aval.shape[::-1])
     entries = tuple(spec) + (None,) * (aval.ndim - len(spec))
     return aval.update(

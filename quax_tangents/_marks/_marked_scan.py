@@ -37,7 +37,7 @@ def _meta(x: Any) -> dict | None:
     return x.statics() if isinstance(x, Marked) else None
 
 
-def _dense_view(array: Any, meta: tuple | None) -> Any:
+def _dense_view(array: Any, meta: dict | None) -> Any:
     """What the body sees of an input in the forward pass."""
     if meta is None:
         return array

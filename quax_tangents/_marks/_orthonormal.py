@@ -59,7 +59,7 @@ def _message(name: str, error: Any, tolerance: float) -> str:
 
 def checks_in_program() -> bool:
     """Whether traced projectors are checked inside the compiled program."""
-    return fallback_mode() == "error" or bool(jax.config.jax_enable_checks)
+    return fallback_mode() == "error" or bool(jax.config.values["jax_enable_checks"])
 
 
 def check_orthonormal(matrix: Any, name: str, *, skip: Any = False) -> Any:

@@ -205,7 +205,7 @@ def _projected(
         # Drawn here, one slice at a time inside a scan over stacked layers, rather
         # than for every layer at once before the pass.
         key = _key(spec, operands[0])
-        omega = test_matrix(key, shape, spec.rank, spec.oversample)
+        omega = test_matrix(key, (shape[0], shape[1]), spec.rank, spec.oversample)
         return _sketch((omega,), apply, m <= n, dtype)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source in ("given", "given_into"):
