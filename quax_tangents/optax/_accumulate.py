@@ -30,6 +30,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _ad
 from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
+from .._inplace import as_bits, from_bits
 from .._projection import Finish
 from .._sharding import column_signs, orthonormal_columns, top_left_singular
 from .._types.lowrank import LowRank
@@ -53,25 +54,74 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _per_matrix(fn: Any, *xs: Array) -> Array:
-    """`fn` of each matrix in the last two dims of `xs`, one after another
-    (`lax.map`), so that its float32 work is one matrix's size, not the stack's."""
+def _zeros_after(shape: tuple, dtype: Any, after: Array) -> Array:
+    """Zeros that XLA cannot make before `after` (a floating array) exists.
+
+    XLA shares one buffer among equal constants (the zeros a loop's output starts
+    from), copies it for each loop, and may make those copies at the start of the
+    branch, so that every later loop's output is held through every pass before
+    it. Zeros computed from `after` are made when `after` is: `x != x and x == x`
+    is false for every float, NaN included, and XLA does not fold it."""
+    x = jnp.ravel(after)[0]
+    never = jnp.logical_and(x != x, x == x)
+    return jnp.broadcast_to(jnp.where(never, 1, 0).astype(dtype), shape)
+
+
+def _per_matrix(fn: Any, *xs: Array) -> Any:
+    """`fn` of each matrix in the last two dims of `xs`, one after another, so
+    that its float32 work is one matrix's size, not the stack's. The outputs are
+    written slice by slice into buffers made once `xs` exist; an output of the
+    shape and dtype of `xs[0]` is written over `xs[0]` (`in_place`)."""
+    return _per_matrix_loop(fn, xs, in_place=False)
+
+
+def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool) -> Any:
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
     flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
-    out = jax.lax.map(lambda args: fn(*args), tuple(flat))
-    return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+    count = flat[0].shape[0]
+    shapes = jax.eval_shape(fn, *[f[0] for f in flat])
+    leaves, treedef = jtu.tree_flatten(shapes)
+    if in_place:
+        assert len(leaves) == 1 and leaves[0].shape == flat[0].shape[1:]
+        assert leaves[0].dtype == flat[0].dtype
+        buffers = [as_bits(flat[0])]
+    else:
+        buffers = [
+            as_bits(_zeros_after((count, *s.shape), s.dtype, flat[-1]))
+            for s in leaves
+        ]
+
+    def body(i: Any, buffers: list) -> list:
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
+        if in_place:
+            args = [from_bits(take(buffers[0]), flat[0].dtype), *map(take, flat[1:])]
+        else:
+            args = [take(f) for f in flat]
+        outs = jtu.tree_leaves(fn(*args))
+        return [
+            jax.lax.dynamic_update_index_in_dim(b, as_bits(o.astype(s.dtype)), i, 0)
+            for b, o, s in zip(buffers, outs, leaves)
+        ]
+
+    buffers = jax.lax.fori_loop(0, count, body, buffers)
+    outs = [
+        from_bits(b, s.dtype).reshape(*batch, *s.shape)
+        for b, s in zip(buffers, leaves)
+    ]
+    return jtu.tree_unflatten(treedef, outs)
 
 
 def _orthonormal(x: Array, dtype: Any) -> Array:
     # The range finder's own orthonormalisation, so that the sums over microbatches
-    # give the projector that one full batch gives; kept in the weight's dtype.
+    # give the projector that one full batch gives; kept in the weight's dtype, and
+    # written over the sums it replaces.
     def one(m: Array) -> Array:
         work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
         return orthonormal_columns(work).astype(dtype)
 
-    return _per_matrix(one, x)
+    return _per_matrix_loop(one, (x.astype(dtype),), in_place=True)
 
 
 def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
@@ -201,8 +251,16 @@ def _pass(
         rows = [None if add else x for x, add in zip(parts, summed)]
         return (loss_sum + loss, sums), (aux, rows)
 
+    # Made once this pass's projectors exist, not at the start of every pass.
+    after = [m[1] for m in modes if m is not None and _is_float(m[1])]
     zeros = [
-        jnp.zeros(s.shape, s.dtype) if add and s is not None else None
+        (
+            _zeros_after(s.shape, s.dtype, after[0])
+            if after
+            else jnp.zeros(s.shape, s.dtype)
+        )
+        if add and s is not None
+        else None
         for s, add in zip(shapes[2], summed)
     ]
     init = (jnp.zeros(shapes[0].shape, shapes[0].dtype), zeros)
@@ -213,6 +271,10 @@ def _pass(
         for s, r, add in zip(sums, rows, summed)
     ]
     return loss_sum / k, aux, means
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _rows_mean(stacked: Any, k: int) -> Any:
