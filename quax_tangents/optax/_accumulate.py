@@ -30,7 +30,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import _ad
 from .._cotangents import _mark as bind_mark, projected_cotangent, sparse_rows_cotangent
-from .._inplace import as_bits, from_bits
+from .._inplace import as_bits, from_bits, zeros_after
 from .._projection import Finish
 from .._sharding import column_signs, orthonormal_columns, top_left_singular
 from .._types.lowrank import LowRank
@@ -54,28 +54,18 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _zeros_after(shape: tuple, dtype: Any, after: Array) -> Array:
-    """Zeros that XLA cannot make before `after` (a floating array) exists.
-
-    XLA shares one buffer among equal constants (the zeros a loop's output starts
-    from), copies it for each loop, and may make those copies at the start of the
-    branch, so that every later loop's output is held through every pass before
-    it. Zeros computed from `after` are made when `after` is: `x != x and x == x`
-    is false for every float, NaN included, and XLA does not fold it."""
-    x = jnp.ravel(after)[0]
-    never = jnp.logical_and(x != x, x == x)
-    return jnp.broadcast_to(jnp.where(never, 1, 0).astype(dtype), shape)
-
-
-def _per_matrix(fn: Any, *xs: Array) -> Any:
+def _per_matrix(fn: Any, *xs: Array, after: Any = None) -> Any:
     """`fn` of each matrix in the last two dims of `xs`, one after another, so
     that its float32 work is one matrix's size, not the stack's. The outputs are
-    written slice by slice into buffers made once `xs` exist; an output of the
-    shape and dtype of `xs[0]` is written over `xs[0]` (`in_place`)."""
-    return _per_matrix_loop(fn, xs, in_place=False)
+    written slice by slice into buffers made once `xs` (and `after`, an array
+    computed before) exist: XLA would otherwise make every such buffer at the start
+    of the branch (see `quax_tangents._inplace`)."""
+    return _per_matrix_loop(fn, xs, in_place=False, after=after)
 
 
-def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool) -> Any:
+def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> Any:
+    """`_per_matrix`; with `in_place`, the one output, of the shape and dtype of
+    `xs[0]`, is written over `xs[0]`."""
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
@@ -88,9 +78,9 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool) -> Any:
         assert leaves[0].dtype == flat[0].dtype
         buffers = [as_bits(flat[0])]
     else:
+        late = flat[-1] if after is None else after
         buffers = [
-            as_bits(_zeros_after((count, *s.shape), s.dtype, flat[-1]))
-            for s in leaves
+            as_bits(zeros_after((count, *s.shape), s.dtype, late)) for s in leaves
         ]
 
     def body(i: Any, buffers: list) -> list:
@@ -107,8 +97,7 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool) -> Any:
 
     buffers = jax.lax.fori_loop(0, count, body, buffers)
     outs = [
-        from_bits(b, s.dtype).reshape(*batch, *s.shape)
-        for b, s in zip(buffers, leaves)
+        from_bits(b, s.dtype).reshape(*batch, *s.shape) for b, s in zip(buffers, leaves)
     ]
     return jtu.tree_unflatten(treedef, outs)
 
@@ -254,11 +243,7 @@ def _pass(
     # Made once this pass's projectors exist, not at the start of every pass.
     after = [m[1] for m in modes if m is not None and _is_float(m[1])]
     zeros = [
-        (
-            _zeros_after(s.shape, s.dtype, after[0])
-            if after
-            else jnp.zeros(s.shape, s.dtype)
-        )
+        zeros_after(s.shape, s.dtype, after[0] if after else None)
         if add and s is not None
         else None
         for s, add in zip(shapes[2], summed)
@@ -413,14 +398,17 @@ def accumulate_gradients(
             bases = orthonormal(run(sketch(tests))[2])
         loss, aux, products = run(given(bases))
         matrices, factors = [], []
+        done = None  # one leaf's outputs are made once the leaf before is done
         for i, (q, b) in enumerate(zip(bases, products)):
             if q is None:
                 matrices.append(None)
                 factors.append(b)
                 continue
-            p, f = _per_matrix(functools.partial(_truncate, rank=plans[i].rank), q, b)
+            truncate = functools.partial(_truncate, rank=plans[i].rank)
+            p, f = _per_matrix(truncate, q, b, after=done)
             matrices.append(p)
             factors.append(f)
+            done = f
         return loss, aux, _finish(plans, leaves, matrices, factors)
 
     # The projectors enter as operands: traced, the steady branch does not check the
