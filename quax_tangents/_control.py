@@ -341,6 +341,8 @@ def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
     if _marked_scan.applies(args, params["num_consts"], params["num_carry"]):
         return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
+    if _marked_scan.applies_projected(args, params["num_consts"], params["num_carry"]):
+        return _marked_scan.scan_with_projected_xs(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
     xs_avals = [

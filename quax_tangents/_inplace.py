@@ -43,7 +43,9 @@ def zeros_after(shape: tuple, dtype: Any, after: Any) -> Any:
 def _never(after: Any) -> Any:
     # `x != x and x == x` is false for every float, NaN included; XLA does not fold
     # it, so what is computed from it waits for `after`.
-    x = jnp.ravel(after)[0]
+    # The first element read through its bits: slicing a bfloat16 array on CPU
+    # converts the whole array to float32 first.
+    x = from_bits(jnp.ravel(as_bits(after))[0], after.dtype)
     return jnp.logical_and(x != x, x == x)
 
 

@@ -108,6 +108,9 @@ class Finish:
     source: Source = "fresh"
     key_impl: str = "threefry2x32"
     oversample: int = 4
+    # Which mark a `"given_into"` spec belongs to, when a scan over its stack may
+    # project it layer by layer (see `quax_tangents._marked_scan`); not compared.
+    token: int = dataclasses.field(default=0, compare=False)
 
 
 finish_p = jexc.Primitive("finish")
@@ -422,3 +425,81 @@ def unique_rows(x: SparseRows) -> SparseRows:
         one = jax.vmap(one)
     ids, rows = one(x.indices, x.rows)
     return SparseRows.build(ids, rows, x.num_rows)
+
+
+# ---------------------------------------------------------------------------------------
+# One slice of a `"given_into"` projection, inside a loop over the slices, and the
+# stacked result put back together (see `quax_tangents._marked_scan`)
+
+projected_factor_p = jexc.Primitive("projected_factor")
+
+
+def _factor(result: LowRank) -> Array:
+    """The factor of a projection that is not the projector."""
+    return result.right if result.projector_side == "left" else result.left
+
+
+def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
+    return _factor(_project_dense(spec, ct, *operands))
+
+
+def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
+    return jax.core.ShapedArray(operands[1].shape, operands[1].dtype)
+
+
+_define(projected_factor_p, _projected_factor_dense, _projected_factor_abstract)
+
+
+def projected_factor(ct: Any, projector: Any, total: Any, spec: Finish) -> Any:
+    """`S + G^T P` (or `S + G Q` for a tall matrix): the factor that a
+    `"given_into"` finish of one matrix's cotangent `ct` (`G`) gives with the
+    projector `projector` and the sum `total`, with `ct`'s factors kept apart
+    under quax."""
+    return projected_factor_p.bind(ct, projector, total, spec=spec)
+
+
+@rule(projected_factor_p)
+def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
+    return _factor(project_outer(spec, ct, operands))
+
+
+@rule(projected_factor_p, dense_output=True)
+def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Array:
+    record_densification(
+        projected_factor_p.name,
+        ("Marked",),
+        "the marked weight's cotangent in one iteration of the scan is dense",
+    )
+    return _factor(_project_dense(spec, jnp.asarray(ct), *operands))
+
+
+projection_p = jexc.Primitive("projection")
+
+
+def _projection_dense(projector: Array, factor: Array, *, left: bool) -> Array:
+    product = jnp.matmul(projector, jnp.swapaxes(factor, -1, -2))
+    return product if left else jnp.swapaxes(product, -1, -2)
+
+
+def _projection_abstract(projector: Any, factor: Any, *, left: bool) -> Any:
+    *batch, side, _ = projector.shape
+    other = factor.shape[-2]
+    shape = (*batch, side, other) if left else (*batch, other, side)
+    return jax.core.ShapedArray(tuple(shape), factor.dtype)
+
+
+_define(projection_p, _projection_dense, _projection_abstract)
+
+
+def projection(projector: Any, factor: Any, left: bool) -> Any:
+    """`P F^T` (`left`) or `F P^T`, a `LowRank` with `projector_side` under quax:
+    the stacked projection whose factors a loop over the slices wrote."""
+    return projection_p.bind(projector, factor, left=left)
+
+
+@rule(projection_p)
+def _projection_rule(projector: ArrayLike, factor: ArrayLike, *, left: bool) -> LowRank:
+    projector, factor = jnp.asarray(projector), jnp.asarray(factor)
+    if left:
+        return unchecked(LowRank, left=projector, right=factor, projector_side="left")
+    return unchecked(LowRank, left=factor, right=projector, projector_side="right")
