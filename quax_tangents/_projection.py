@@ -440,7 +440,7 @@ def _factor(result: LowRank) -> Array:
 
 
 def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
-    return _factor(_project_dense(spec, ct, *operands))
+    return _factor(project_dense(spec, ct, operands))
 
 
 def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
@@ -470,7 +470,7 @@ def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -
         ("Marked",),
         "the marked weight's cotangent in one iteration of the scan is dense",
     )
-    return _factor(_project_dense(spec, jnp.asarray(ct), *operands))
+    return _factor(project_dense(spec, jnp.asarray(ct), operands))
 
 
 projection_p = jexc.Primitive("projection")
