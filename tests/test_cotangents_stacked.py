@@ -687,7 +687,7 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     assert_close(expected, total + wide @ projector)
     for is_left in (True, False):
         lowrank = quax.quaxify(
-            lambda p, f: projection(p, f, is_left),
+            lambda p, f, is_left=is_left: projection(p, f, is_left),
             filter_spec=lambda _: True,
         )(projector, total)
         assert isinstance(lowrank, qt.LowRank)
