@@ -297,6 +297,10 @@ class _NeedsInnerLayer(Exception):
 class _State(threading.local):
     def __init__(self) -> None:
         self.mode: str | None = None  # None, "probe" or "inner"
+        # Marks a scan may project layer by layer (by the id of the mark's output),
+        # and the tokens of those it did (see `Pushable`).
+        self.pushable: dict[int, Pushable] = {}
+        self.projected_by_scan: set[int] = set()
 
 
 _state = _State()
@@ -349,8 +353,8 @@ def traced_with_marks(trace: Callable[[], _T]) -> _T:
     finally:
         _state.mode = previous
         if previous is None:
-            _pushable.clear()
-            _projected_by_scan.clear()
+            _state.pushable.clear()
+            _state.projected_by_scan.clear()
 
 
 def _restore(counter: Counter, saved: Counter) -> None:
@@ -386,7 +390,7 @@ def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
         # A mark whose stack a scan projected layer by layer (its total cotangent
         # went to the weight directly), or a weight that is not used.
         return (None, *none)
-    if spec.token in _projected_by_scan:
+    if spec.token in _state.projected_by_scan:
         raise ValueError(
             "A marked stacked weight was both scanned over by `lax.scan` (whose "
             "backward pass projects its gradient layer by layer) and used "
@@ -425,8 +429,6 @@ class Pushable(NamedTuple):
     spec: Finish
 
 
-_pushable: dict[int, Pushable] = {}
-_projected_by_scan: set[int] = set()
 _tokens = itertools.count(1)
 
 
@@ -441,7 +443,7 @@ def pushable(x: Any) -> Pushable | None:
     made it (not transposed, cast or viewed since)."""
     if not isinstance(x, Marked) or x.transposed or x.compute_dtype or x.view:
         return None
-    entry = _pushable.get(id(x.array))
+    entry = _state.pushable.get(id(x.array))
     if entry is None or entry.marked_output is not x.array:
         return None
     return entry
@@ -450,7 +452,7 @@ def pushable(x: Any) -> Pushable | None:
 def projected_by_scan(entry: Pushable) -> None:
     """Records that a scan projects `entry`'s mark: its own finish must then see no
     cotangent."""
-    _projected_by_scan.add(entry.spec.token)
+    _state.projected_by_scan.add(entry.spec.token)
 
 
 mark_p = jexc.Primitive("mark_cotangent")
@@ -578,7 +580,7 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
     if tagged is None:
         return Marked(_finished(spec, w, *operands), spec.kind, False)
     array = _finished(tagged, w, *operands)
-    _pushable[id(array)] = Pushable(array, w, operands[0], operands[1], tagged)
+    _state.pushable[id(array)] = Pushable(array, w, operands[0], operands[1], tagged)
     return Marked(array, spec.kind, False)
 
 
