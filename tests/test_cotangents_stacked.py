@@ -693,3 +693,38 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
         assert isinstance(lowrank, qt.LowRank)
         assert lowrank.projector_side == ("left" if is_left else "right")
         assert_close(lowrank.materialise(), projection(projector, total, is_left))
+
+
+def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
+    # One factor of `w`'s gradient, its output cotangent for every layer (kept as
+    # `(N, rows)` per layer), is a stacked `(layers, N, rows)` buffer when the
+    # projection runs after the scan (a "given" mark) and never formed when it runs
+    # layer by layer. The model is checkpointed per block: the forward pass saves
+    # only the `(layers, rows, M)` block inputs.
+    batch, rows = (3,), 10
+    params, projectors, totals = (
+        stacked_params(batch, M, N),
+        _projectors(batch),
+        _totals(batch),
+    )
+    x = random_array(9, (rows, M))
+
+    def loss(params, projectors, totals, into):
+        if into:
+            marked = _given_into(projectors, totals)(params)
+        else:
+            marked = {
+                name: qt.projected_cotangent(w, R, projector=projectors[name])
+                for name, w in params.items()
+            }
+        return jnp.sum(scanned(x, marked, remat=True) ** 2)
+
+    def step(into):
+        return jax.jit(lambda p, P, S: qt.grad(loss)(p, P, S, into))
+
+    stacked = f"f32[{batch[0]},{N},{rows}]"
+    args = (params, projectors, totals)
+    assert weight_buffers(step(False), args, stacked)
+    assert not scans_projected
+    assert weight_buffers(step(True), args, stacked) == []
+    assert scans_projected
