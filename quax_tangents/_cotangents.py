@@ -420,7 +420,8 @@ _finished.defvjp(_finished_fwd, _finished_bwd, symbolic_zeros=True)
 
 class Pushable(NamedTuple):
     """What the scan needs of such a mark: the weight before the mark, the
-    projector and the sum (stacked), and the spec."""
+    projector (the key data of a sketch's test matrices) and the sum (stacked), and
+    the spec."""
 
     marked_output: Any
     weight: Any
@@ -433,14 +434,16 @@ _tokens = itertools.count(1)
 
 
 def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
-    if spec.kind != "projected" or spec.source != "given_into" or jnp.ndim(w) < 3:
+    into = spec.source in ("given_into", "sketch_key_into")
+    if spec.kind != "projected" or not into or jnp.ndim(w) < 3:
         return None
     return dataclasses.replace(spec, token=next(_tokens))
 
 
 def pushable(x: Any) -> Pushable | None:
-    """The mark behind `x`, if `x` is a stacked `"given_into"` mark as `mark_p`
-    made it (not transposed, cast or viewed since)."""
+    """The mark behind `x`, if `x` is a stacked `"given_into"` (or
+    `"sketch_key_into"`) mark as `mark_p` made it (not transposed, cast or viewed
+    since)."""
     if not isinstance(x, Marked) or x.transposed or x.compute_dtype or x.view:
         return None
     entry = _state.pushable.get(id(x.array))

@@ -29,7 +29,7 @@ import quax
 from . import _cotangents
 from ._cotangents import Marked
 from ._inplace import as_bits, from_bits
-from ._projection import projected_factor, projection
+from ._projection import projected_factor, projection, test_matrix
 
 
 def _is_float(x: Any) -> bool:
@@ -180,6 +180,7 @@ def _backward(
 
 # ---------------------------------------------------------------------------------------
 # A scan over the stack of a marked weight, projected layer by layer
+# (a `"sketch_key_into"` mark, a refresh step's first pass, is sketched the same way)
 #
 # When a scan slices a stacked weight marked for a `"given_into"` projection (a
 # given projector `P` and a running sum `S`, as `accumulate_gradients` marks it),
@@ -342,8 +343,12 @@ def _backward_projected(
     for i, b in zip(pushed, bits):
         projector, total = sums[i]
         factor = from_bits(b, total.dtype)
-        left = specs[i].kind == "projected" and _projector_left(arrays[i])
-        result[i] = projection(projector.astype(total.dtype), factor, left)
+        left = _projector_left(arrays[i])
+        if specs[i].source == "sketch_key_into":
+            omega = _test_matrices(specs[i], projector, jnp.shape(arrays[i]))
+            result[i] = projection(omega.astype(total.dtype), factor, not left, False)
+        else:
+            result[i] = projection(projector.astype(total.dtype), factor, left)
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
     for i, ct in zip(xs_diff, ct_xs):
@@ -356,3 +361,18 @@ def _projector_left(w: Any) -> bool:
     (`m <= n`: the rows' side is the smaller)."""
     m, n = jnp.shape(w)[-2:]
     return m <= n
+
+
+def _test_matrices(spec: Any, key_data: Any, shape: tuple) -> Any:
+    """The test matrices `Ω` of a stacked sketch, one per slice, as the sketch of
+    each slice drew them (`quax_tangents._projection._projected`)."""
+    m, n = shape[-2:]
+    side = (m, n) if m <= n else (n, m)
+    flat = key_data.reshape(-1, key_data.shape[-1])
+
+    def one(data: Any) -> Any:
+        key = jax.random.wrap_key_data(data, impl=spec.key_impl)
+        return test_matrix(key, side, spec.rank, spec.oversample)
+
+    omega = jax.vmap(one)(flat)
+    return omega.reshape(*key_data.shape[:-1], *omega.shape[1:])

@@ -146,6 +146,12 @@ def _marked(
         return in_matrix_view(
             leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
         )
+    elif kind == "sketch_key" and total is not None:
+        # The mark adds this microbatch's sketch to the running sum (in place, slice
+        # by slice, when the model scans over the stack).
+        source = "sketch_key_into"
+        spec = Finish("projected", plan.rank, 0, source, mode[2], _OVERSAMPLE)
+        operands = (matrix, total)
     elif kind == "sketch_key":
         spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
         operands = (matrix,)
@@ -223,9 +229,13 @@ def _pass(
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
-    # Projections with a given projector add into the sum themselves.
+    # Projections with a given projector, and sketches with drawn test matrices, add
+    # into the sum themselves.
     into = [
-        p is not None and p.kind == "project" and m is not None and m[0] == "given"
+        p is not None
+        and p.kind == "project"
+        and m is not None
+        and m[0] in ("given", "sketch_key")
         for p, m in zip(plans, modes)
     ]
 
