@@ -728,3 +728,42 @@ def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
     assert not scans_projected
     assert weight_buffers(step(True), args, stacked) == []
     assert scans_projected
+
+
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
+    batch, scans_projected
+):
+    # A "sketch_key_into" mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
+    # for a tall weight) slice by slice, with each slice's test matrix drawn from its
+    # key as the range finder draws it, against the dense gradient.
+    from quax_tangents._cotangents import _mark
+    from quax_tangents._projection import Finish, test_matrix
+
+    params = stacked_params(batch, M, N)
+    count = int(np.prod(batch))
+    keys = jax.random.split(jax.random.key(5), count)
+    key_data = jax.random.key_data(keys).reshape(*batch, 2)
+    width = min(R + 4, M, N)
+    totals = {
+        "w": random_array(6, (*batch, M, width)),
+        "v": random_array(7, (*batch, M, width)),
+    }
+    spec = Finish("projected", R, 0, "sketch_key_into", "threefry2x32", 4)
+
+    def mark(params):
+        return {
+            name: _mark(spec, w, (key_data, totals[name])) for name, w in params.items()
+        }
+
+    with qt.fallback("error"):
+        grads = jax.jit(qt.grad(_loss), static_argnums=(1, 2))(params, mark, True)
+    assert scans_projected
+    dense = jax.jit(jax.grad(_loss), static_argnums=(1, 2))(params, None, True)
+    omegas = jax.vmap(lambda k: test_matrix(k, (M, N), R, 4))(keys)
+    omegas = omegas.reshape(*batch, N, width)
+    for name, side in SIDES.items():
+        g = dense[name] if side == "left" else jnp.swapaxes(dense[name], -1, -2)
+        expected = totals[name] + g @ omegas
+        sketch = grads[name].left if side == "left" else grads[name].right
+        assert_close(sketch, expected)
