@@ -685,6 +685,16 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     assert_close(got, expected)
     wide = jnp.swapaxes(outer.materialise(), -1, -2) if m <= n else outer.materialise()
     assert_close(expected, total + wide @ projector)
+    # The same for a sketch whose test matrix is drawn from a key.
+    width = min(rank + 4, m, n)
+    key_data = jax.random.key_data(jax.random.key(seed)).reshape(
+        (1,) * len(batch) + (2,)
+    )
+    key_data = jnp.broadcast_to(key_data, (*batch, 2))
+    sums = random_array(seed + 4, (*batch, small, width))
+    sketch = Finish("projected", rank, 0, "sketch_key_into", "threefry2x32", 4)
+    got = quax.quaxify(lambda c: projected_factor(c, key_data, sums, sketch))(outer)
+    assert_close(got, projected_factor(outer.materialise(), key_data, sums, sketch))
     for is_left in (True, False):
         lowrank = quax.quaxify(
             lambda p, f, is_left=is_left: projection(p, f, is_left),
