@@ -587,8 +587,8 @@ BEFORE_LAYER_BY_LAYER = {"1B": 8.13, "7B": 37.02}
 
 def mark_factor_bytes(config: LlamaConfig) -> int:
     """Bytes of the factors a mark keeps per microbatch when its cotangent is
-    finished after the model's backward scan (the sketch pass of a refresh step):
-    each stacked block matrix's `OuterSum`, its input and output cotangent for every
+    finished after the model's backward scan rather than layer by layer in it: each
+    stacked block matrix's `OuterSum`, its input and output cotangent for every
     token of every layer, in bfloat16."""
     tokens = MICROBATCH * SEQ
     sides = sum(sum(matrix_shape(config, name)) for name in MATRICES)
@@ -644,10 +644,10 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         "gradient it replaces; `qto.accumulate_gradients` adds each microbatch's "
         "projection into the running sum in place: the backward pass of the "
         "model's scan over layers projects each layer's gradient as soon as it is "
-        "made and writes it over that layer's slice of the sum (on steps that keep "
-        "the projectors, and in a refresh step's last pass), so that one layer's "
-        "factors are alive at a time, not every layer's; it draws each layer's test "
-        "matrix inside the pass on refresh steps; and the loops of a refresh step "
+        "made and writes it over that layer's slice of the sum (and so for the "
+        "sketches of a refresh step's first pass), so that one layer's factors are "
+        "alive at a time, not every layer's; it draws each layer's test matrix "
+        "inside the pass on refresh steps; and the loops of a refresh step "
         "and of `layerwise` make their buffers when their inputs exist (XLA on CPU "
         "otherwise made every loop's output at the start of the branch and held it "
         "through every pass before). Projected-8bit totals before `layerwise` and "
@@ -670,10 +670,10 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         f"{_gib(4 * config.vocab * config.hidden)} GiB; a GPU computes these in "
         "bfloat16); the dense gradients of the embedding and the head, twice (one "
         "microbatch's and the sum); and float32 copies of one layer's weights for "
-        "its matmuls. The first pass of a refresh step (the sketches) still keeps "
-        "each block matrix's input and output cotangent for every token of every "
-        f"layer until the sketch ({_gib(mark_factor_bytes(config))} GiB per "
-        "microbatch, from shapes).",
+        "its matmuls. Before the layer-by-layer projection, each block matrix's "
+        "input and output cotangent for every token of every layer were kept from "
+        "the backward scan until the projection "
+        f"({_gib(mark_factor_bytes(config))} GiB per microbatch, from shapes).",
         "- **The floor.** Weights, 8-bit state, one copy of the gradients and the "
         f"saved activations come to {_gib(floor)} GiB at 7B, "
         f"{floor / adam.total:.3f}x of BF16 Adam's total, before a temporary: "
