@@ -33,12 +33,27 @@ from ._base import CompressedArray
 from ._cotangents import mark_p
 from ._fallback import dry_run, record_densification
 from ._primitives import compress_p, outer_p
-from ._projection import finish_p, outer_sum_p, rows_p
+from ._projection import (
+    finish_p,
+    outer_sum_p,
+    projected_factor_p,
+    projection_p,
+    rows_p,
+)
 from ._registry import rule
 from ._types.lowrank import LowRank
 
 
-_CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)
+_CONSTRUCTION = (
+    compress_p,
+    outer_p,
+    mark_p,
+    outer_sum_p,
+    rows_p,
+    finish_p,
+    projected_factor_p,
+    projection_p,
+)
 _construction_cache: dict[int, tuple[Any, bool]] = {}
 
 
