@@ -587,16 +587,31 @@ def breakdown(results: list[Estimate], models: list[str]) -> list[str]:
 # state at a time; commit 27249bb), in GiB.
 BEFORE_TOTALS = {"1B": 10.18, "7B": 49.22}
 HAND_WRITTEN_TOTALS = {"1B": 6.96, "7B": 31.59}
+# And the totals on the library's path before the model's backward scan projected each
+# layer's gradient as it is made and before the loops' buffers were made when their
+# inputs exist (commit 6f9d664, `--one MODEL projected-8bit`), in GiB.
+BEFORE_LAYER_BY_LAYER = {"1B": 8.13, "7B": 37.02}
 
 
 def mark_factor_bytes(config: LlamaConfig) -> int:
-    """Bytes of the factors a projected mark keeps per microbatch until its
-    projection: each stacked block matrix's `OuterSum`, its input and output
-    cotangent for every token of every layer, in bfloat16 (the projection runs
-    after the model's backward scan, one layer at a time)."""
+    """Bytes of the factors a mark keeps per microbatch when its cotangent is
+    finished after the model's backward scan rather than layer by layer in it: each
+    stacked block matrix's `OuterSum`, its input and output cotangent for every
+    token of every layer, in bfloat16."""
     tokens = MICROBATCH * SEQ
     sides = sum(sum(matrix_shape(config, name)) for name in MATRICES)
     return 2 * tokens * sides * config.layers
+
+
+def refresh_bytes(config: LlamaConfig) -> tuple[int, int]:
+    """Bytes of a refresh step's last pass, from shapes, in bfloat16: the range
+    finder's orthonormal bases (`rank + 4` wide on each matrix's smaller side) and
+    the sums of the microbatches' products with them (on the larger side)."""
+    width = config.rank + 4
+    shapes = [matrix_shape(config, name) for name in MATRICES]
+    bases = sum(2 * config.layers * min(s) * width for s in shapes)
+    sums = sum(2 * config.layers * max(s) * width for s in shapes)
+    return bases, sums
 
 
 def _parts_line(model: str, r: Estimate, parts: dict) -> str:
@@ -606,13 +621,13 @@ def _parts_line(model: str, r: Estimate, parts: dict) -> str:
         f"{model} {r.arm}`: the temp bytes of each piece compiled alone): "
         f"`qto.accumulate_gradients` {p['gradients']:.2f} GiB, the transformation's "
         f"`update` {p['update']:.2f} GiB, `update` then `qto.apply_updates` "
-        f"{p['update_apply']:.2f} GiB. The gradient pass dominates."
+        f"{p['update_apply']:.2f} GiB."
     )
 
 
 def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
-    """What the projected arms do, and why the targets are still missed, with this
-    run's numbers."""
+    """What the projected arms do, and where their bytes go, with this run's
+    numbers."""
     if "7B" not in models:
         return []
     r = _find(results, "7B", "projected-8bit")
@@ -620,37 +635,53 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
     eight = _find(results, "7B", "adam-8bit")
     config = MODELS["7B"]
     floor = r.weights + r.state + r.gradients + r.activations
+    bases, sums = refresh_bytes(config)
     then = ", ".join(
         f"{m} {BEFORE_TOTALS[m]:.2f} GiB, now {_gib(_find(results, m, r.arm).total)}"
         for m in ("1B", "7B")
         if m in models
     )
     hand = ", ".join(f"{m} {v:.2f} GiB" for m, v in HAND_WRITTEN_TOTALS.items())
+    layer_by_layer = ", ".join(
+        f"{m} {BEFORE_LAYER_BY_LAYER[m]:.2f} GiB" for m in ("1B", "7B") if m in models
+    )
     lines = [
         "- **The library's path.** `qto.layerwise` runs the 8-bit transformation one "
         "layer's slice at a time (and one slice of the embedding's and the head's "
         "rows), writing the state and the updates in place, each update over the "
         "gradient it replaces; `qto.accumulate_gradients` adds each microbatch's "
-        "projection into the running sum in place, layer by layer, and draws each "
-        "layer's test matrix inside the pass on refresh steps. Projected-8bit "
-        f"totals before these: {then}. An earlier hand-written step reached {hand}; "
-        "the difference that remains is in the gradient pass.",
+        "projection into the running sum in place: the backward pass of the "
+        "model's scan over layers projects each layer's gradient as soon as it is "
+        "made and writes it over that layer's slice of the sum (and so for the "
+        "sketches of a refresh step's first pass), so that one layer's factors are "
+        "alive at a time, not every layer's; it draws each layer's test matrix "
+        "inside the pass on refresh steps; and the loops of a refresh step "
+        "and of `layerwise` make their buffers when their inputs exist (XLA on CPU "
+        "otherwise made every loop's output at the start of the branch and held it "
+        "through every pass before). Projected-8bit totals before `layerwise` and "
+        f"the in-place sums: {then}; before the layer-by-layer projection and the "
+        f"late buffers: {layer_by_layer}. An earlier hand-written step reached "
+        f"{hand}.",
     ]
     for model, parts in sorted(extra.get("parts", {}).items()):
         if model in models:
             lines.append(_parts_line(model, _find(results, model, r.arm), parts))
     return lines + [
         "- **Where the temp bytes go at 7B** (read from XLA's buffer assignment, "
-        "`--xla_dump_to`): the marks' factors, each block matrix's input and output "
-        "cotangent for every token of every layer, kept from the backward scan until "
-        f"the projection ({_gib(mark_factor_bytes(config))} GiB per microbatch, from "
-        "shapes); the refresh branch of the `lax.cond`, whose sums are `rank + 4` "
-        "wide and whose projectors and factors are new arrays; float32 copies of the "
-        "embedding and the head that XLA on CPU makes for bfloat16 matmuls and "
-        "scatters (each "
+        "`--xla_dump_to`, of the step): the peak is in the last pass of a refresh "
+        "step (the `lax.cond`'s other branch), which holds the range finder's "
+        f"orthonormal bases ({_gib(bases)} GiB, from shapes) and the sums of the "
+        f"microbatches' products with them ({_gib(sums)} GiB), both `rank + 4` "
+        "wide, where a step that keeps the projectors holds only the sums of its "
+        "factors; float32 copies of the embedding and the head that XLA on CPU "
+        "makes for bfloat16 matmuls and scatters (each "
         f"{_gib(4 * config.vocab * config.hidden)} GiB; a GPU computes these in "
-        "bfloat16); and the dense gradients of the embedding and the head, twice "
-        "(one microbatch's and the sum).",
+        "bfloat16); the dense gradients of the embedding and the head, twice (one "
+        "microbatch's and the sum); and float32 copies of one layer's weights for "
+        "its matmuls. Before the layer-by-layer projection, each block matrix's "
+        "input and output cotangent for every token of every layer were kept from "
+        "the backward scan until the projection "
+        f"({_gib(mark_factor_bytes(config))} GiB per microbatch, from shapes).",
         "- **The floor.** Weights, 8-bit state, one copy of the gradients and the "
         f"saved activations come to {_gib(floor)} GiB at 7B, "
         f"{floor / adam.total:.3f}x of BF16 Adam's total, before a temporary: "
@@ -816,7 +847,7 @@ def report(
         "",
         *breakdown(results, models),
         "",
-        "## Why the targets are missed",
+        "## Where the projected arms' bytes go",
         "",
         *why(results, models, extra),
         "",

@@ -33,12 +33,27 @@ from .._core._fallback import dry_run, record_densification
 from .._core._registry import rule
 from .._marks import _marked_scan
 from .._marks._cotangents import mark_p
-from .._marks._projection import finish_p, outer_sum_p, rows_p
+from .._marks._projection import (
+    finish_p,
+    outer_sum_p,
+    projected_factor_p,
+    projection_p,
+    rows_p,
+)
 from .._types.lowrank import LowRank
 from ._primitives import compress_p, outer_p
 
 
-_CONSTRUCTION = (compress_p, outer_p, mark_p, outer_sum_p, rows_p, finish_p)
+_CONSTRUCTION = (
+    compress_p,
+    outer_p,
+    mark_p,
+    outer_sum_p,
+    rows_p,
+    finish_p,
+    projected_factor_p,
+    projection_p,
+)
 _construction_cache: dict[int, tuple[Any, bool]] = {}
 
 
@@ -341,6 +356,8 @@ def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
     if _marked_scan.applies(args, params["num_consts"], params["num_carry"]):
         return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
+    if _marked_scan.applies_projected(args, params["num_consts"], params["num_carry"]):
+        return _marked_scan.scan_with_projected_xs(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
     xs_avals = [

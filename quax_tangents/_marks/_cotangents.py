@@ -25,11 +25,12 @@ computes the same numbers densely.
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -38,6 +39,7 @@ import jax.extend.core as jexc
 import jax.numpy as jnp
 import quax
 from jax._src import config as jax_config
+from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
@@ -296,6 +298,10 @@ class _NeedsInnerLayer(Exception):
 class _State(threading.local):
     def __init__(self) -> None:
         self.mode: str | None = None  # None, "probe" or "inner"
+        # Marks a scan may project layer by layer (by the id of the mark's output),
+        # and the tokens of those it did (see `Pushable`).
+        self.pushable: dict[int, Pushable] = {}
+        self.projected_by_scan: set[int] = set()
 
 
 _state = _State()
@@ -347,6 +353,9 @@ def traced_with_marks(trace: Callable[[], _T]) -> _T:
             return trace()
     finally:
         _state.mode = previous
+        if previous is None:
+            _state.pushable.clear()
+            _state.projected_by_scan.clear()
 
 
 def _restore(counter: Counter, saved: Counter) -> None:
@@ -372,18 +381,82 @@ def inner_layer(fn: Callable) -> Callable:
 
 
 def _finished_fwd(spec: Finish, w: Any, *operands: Any) -> tuple[Any, tuple]:
-    return w, operands
+    # Symbolic zeros: the primals come as `CustomVJPPrimal`s.
+    return w.value, tuple(o.value for o in operands)
 
 
 def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
+    none = tuple(None for _ in operands)
+    if isinstance(ct, SymbolicZero):
+        # A mark whose stack a scan projected layer by layer (its total cotangent
+        # went to the weight directly), or a weight that is not used.
+        return (None, *none)
+    if spec.token in _state.projected_by_scan:
+        raise ValueError(
+            "A marked stacked weight was both scanned over by `lax.scan` (whose "
+            "backward pass projects its gradient layer by layer) and used "
+            "elsewhere; its gradient would count the running sum twice. Use the "
+            "weight only inside the scan, or mark it inside the scan's body."
+        )
     # A bwd rule may not return a quax value; a primitive whose quax rule builds one
     # can, because under the trace its output is a tracer.
-    return (finish_p.bind(ct, *operands, spec=spec), *(None for _ in operands))
+    return (finish_p.bind(ct, *operands, spec=spec), *none)
 
 
 # The identity on `w`; `spec` and the operands only parameterise the backward pass.
 _finished = jax.custom_vjp(lambda spec, w, *operands: w, nondiff_argnums=(0,))
-_finished.defvjp(_finished_fwd, _finished_bwd)
+_finished.defvjp(_finished_fwd, _finished_bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Marks whose stack a scan may project layer by layer
+#
+# A `"given_into"` projection of a stacked weight (how `accumulate_gradients` adds a
+# microbatch's projection into the running sum) is linear per slice: when a
+# `lax.scan` slices the marked stack, its backward pass can project each layer's
+# cotangent as soon as it is made and write the slice of the sum in place
+# (`quax_tangents._marks._marked_scan`), instead of keeping every layer's factors (each
+# matrix's inputs and output cotangents for every token) until the projection.
+
+
+class Pushable(NamedTuple):
+    """What the scan needs of such a mark: the weight before the mark, the
+    projector (the key data of a sketch's test matrices) and the sum (stacked), and
+    the spec."""
+
+    marked_output: Any
+    weight: Any
+    projector: Any
+    total: Any
+    spec: Finish
+
+
+_tokens = itertools.count(1)
+
+
+def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
+    into = spec.source in ("given_into", "sketch_key_into")
+    if spec.kind != "projected" or not into or jnp.ndim(w) < 3:
+        return None
+    return dataclasses.replace(spec, token=next(_tokens))
+
+
+def pushable(x: Any) -> Pushable | None:
+    """The mark behind `x`, if `x` is a stacked `"given_into"` (or
+    `"sketch_key_into"`) mark as `mark_p` made it (not transposed, cast or viewed
+    since)."""
+    if not isinstance(x, Marked) or x.transposed or x.compute_dtype or x.view:
+        return None
+    entry = _state.pushable.get(id(x.array))
+    if entry is None or entry.marked_output is not x.array:
+        return None
+    return entry
+
+
+def projected_by_scan(entry: Pushable) -> None:
+    """Records that a scan projects `entry`'s mark: its own finish must then see no
+    cotangent."""
+    _state.projected_by_scan.add(entry.spec.token)
 
 
 mark_p = jexc.Primitive("mark_cotangent")
@@ -507,7 +580,12 @@ def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array
 
 @rule(mark_p)
 def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
-    return Marked(_finished(spec, w, *operands), spec.kind, False)
+    tagged = _register_pushable(spec, w, operands)
+    if tagged is None:
+        return Marked(_finished(spec, w, *operands), spec.kind, False)
+    array = _finished(tagged, w, *operands)
+    _state.pushable[id(array)] = Pushable(array, w, operands[0], operands[1], tagged)
+    return Marked(array, spec.kind, False)
 
 
 @rule(jax.lax.transpose_p, dense_output=True)

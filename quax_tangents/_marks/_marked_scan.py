@@ -26,7 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import quax
 
+from .._core._inplace import as_bits, from_bits
+from . import _cotangents
 from ._cotangents import Marked
+from ._projection import projected_factor, projection, test_matrix
 
 
 def _is_float(x: Any) -> bool:
@@ -173,3 +176,203 @@ def _backward(
     for i, ct in zip(xs_diff, ct_xs):
         result[nc + nk + i] = ct
     return result
+
+
+# ---------------------------------------------------------------------------------------
+# A scan over the stack of a marked weight, projected layer by layer
+# (a `"sketch_key_into"` mark, a refresh step's first pass, is sketched the same way)
+#
+# When a scan slices a stacked weight marked for a `"given_into"` projection (a
+# given projector `P` and a running sum `S`, as `accumulate_gradients` marks it),
+# JAX's transpose of the scan would emit every layer's cotangent factors as a stacked
+# output, kept until the mark projects them after the scan. Here the scan runs as a
+# `jax.custom_vjp` whose backward pass, layer by layer (in reverse), recomputes the
+# body from its stored input carry, takes its VJP with the layer's weight as a
+# `Marked` value, projects that layer's cotangent with its projector and writes
+# `S_l + G_l^T P_l` over the slice of the sum, in place. The weight's cotangent is
+# the stacked `LowRank(P, S)`: the same numbers as the mark's own finish, slice by
+# slice, with one layer's factors alive at a time.
+
+
+def applies_projected(args: Sequence[Any], num_consts: int, num_carry: int) -> bool:
+    """Whether a scan's operands call for `scan_with_projected_xs`: a scanned-over
+    stack marked for a `"given_into"` projection, and no other quax value."""
+    xs = args[num_consts + num_carry :]
+    if not any(_cotangents.pushable(x) is not None for x in xs):
+        return False
+    return all(
+        not isinstance(a, quax.Value)
+        or (i >= num_consts + num_carry and _cotangents.pushable(a) is not None)
+        for i, a in enumerate(args)
+    )
+
+
+def scan_with_projected_xs(
+    args: Sequence[Any], jaxpr: Any, params: dict[str, Any]
+) -> list[Any]:
+    """`scan_p.bind(*args, jaxpr=jaxpr, **params)` for operands that
+    `applies_projected`."""
+    nc, nk = params["num_consts"], params["num_carry"]
+    entries = [_cotangents.pushable(a) for a in args]
+    for entry in entries:
+        if entry is not None:
+            _cotangents.projected_by_scan(entry)
+    metas = [_meta(a) if e is not None else None for a, e in zip(args, entries)]
+    # The weight before the mark: its cotangent is what the backward pass gives.
+    arrays = [a if e is None else e.weight for a, e in zip(args, entries)]
+    pushed = [i for i, e in enumerate(entries) if e is not None]
+    extras = [x for i in pushed for x in (entries[i].projector, entries[i].total)]
+    body = jexc.jaxpr_as_fun(jaxpr)
+    options = dict(
+        length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
+    )
+
+    def forward(arrays: Sequence[Any], keep_carries: bool) -> Any:
+        consts, carry, xs = arrays[:nc], arrays[nc : nc + nk], arrays[nc + nk :]
+
+        def step(carry: list, x: list) -> tuple:
+            outs = body(*consts, *carry, *x)
+            ys = list(outs[nk:])
+            return list(outs[:nk]), (ys, carry) if keep_carries else ys
+
+        return jax.lax.scan(step, list(carry), list(xs), **options)
+
+    n = len(arrays)
+
+    @jax.custom_vjp
+    def scanned(*flat: Any) -> list[Any]:
+        carry, ys = forward(flat[:n], False)
+        return [*carry, *ys]
+
+    def scanned_fwd(*flat: Any) -> tuple[list[Any], tuple]:
+        carry, (ys, carries) = forward(flat[:n], True)
+        return [*carry, *ys], (flat, carries)
+
+    def scanned_bwd(residuals: tuple, cts: list[Any]) -> tuple:
+        flat, carries = residuals
+        arrays, extra = list(flat[:n]), list(flat[n:])
+        specs = {i: entries[i].spec for i in pushed}
+        sums = {i: (extra[2 * k], extra[2 * k + 1]) for k, i in enumerate(pushed)}
+        result = _backward_projected(
+            body, metas, nc, nk, options, arrays, carries, cts, sums, specs
+        )
+        return (*result, *(None for _ in extra))
+
+    scanned.defvjp(scanned_fwd, scanned_bwd)
+    return scanned(*arrays, *extras)
+
+
+def _backward_projected(
+    body: Callable,
+    metas: Sequence[dict | None],
+    nc: int,
+    nk: int,
+    options: dict[str, Any],
+    arrays: Sequence[Any],
+    carries: Sequence[Any],
+    cts: Sequence[Any],
+    sums: dict[int, tuple[Any, Any]],
+    specs: dict[int, Any],
+) -> list[Any]:
+    """The cotangents of every operand; a scanned-over marked stack `i` gets the
+    stacked `LowRank(P, S + G^T P)` from `sums[i] = (P, S)`."""
+    consts, xs = list(arrays[:nc]), list(arrays[nc + nk :])
+    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
+    diff = [_is_float(a) for a in arrays]
+    const_dense = [i for i in range(nc) if diff[i]]
+    carry_diff = [i for i in range(nk) if diff[nc + i]]
+    xs_diff = [
+        i for i in range(len(xs)) if diff[nc + nk + i] and nc + nk + i not in sums
+    ]
+    pushed = sorted(sums)
+    float_positions = [i for i, d in enumerate(diff) if d]
+
+    def at(inputs: list[Any]) -> tuple[list[Any], Callable]:
+        def of_floats(*floats: Any) -> list[Any]:
+            full = list(inputs)
+            for i, f in zip(float_positions, floats):
+                full[i] = f
+            values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
+            return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
+
+        return [inputs[i] for i in float_positions], of_floats
+
+    def back_step(acc: tuple, inp: tuple) -> tuple:
+        ct_k, ct_c, bits = acc
+        index, carry_t, x_t, ct_y_t = inp
+        floats, of_floats = at([*consts, *carry_t, *x_t])
+        outs, pullback = jax.vjp(of_floats, *floats)
+        out_cts = []
+        k_iter, y_iter = iter(ct_k), iter(ct_y_t)
+        for j, out in enumerate(outs):
+            if not _is_float(out):
+                out_cts.append(np.zeros(jnp.shape(out), jax.dtypes.float0))
+            else:
+                out_cts.append(next(k_iter) if j < nk else next(y_iter))
+        in_cts = dict(zip(float_positions, pullback(out_cts)))
+        new_bits = []
+        for i, b in zip(pushed, bits):
+            projector, total = sums[i]
+            take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
+            old = from_bits(take(b), total.dtype)
+            factor = projected_factor(in_cts[i], take(projector), old, specs[i])
+            new = as_bits(factor.astype(total.dtype))
+            new_bits.append(jax.lax.dynamic_update_index_in_dim(b, new, index, 0))
+        new_ct_k = [in_cts[nc + i] for i in carry_diff]
+        new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
+        ct_x = [in_cts[nc + nk + i] for i in xs_diff]
+        return (new_ct_k, new_ct_c, new_bits), ct_x
+
+    float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
+    init = (
+        [ct_carry[i] for i in carry_diff],
+        [jnp.zeros_like(arrays[i]) for i in const_dense],
+        [as_bits(sums[i][1]) for i in pushed],
+    )
+    (ct_k, ct_c, bits), ct_xs = jax.lax.scan(
+        back_step,
+        init,
+        (jnp.arange(options["length"]), list(carries), xs, float_ct_ys),
+        length=options["length"],
+        reverse=not options["reverse"],
+        unroll=options["unroll"],
+    )
+    result: list[Any] = [None] * len(arrays)
+    for i, ct in zip(const_dense, ct_c):
+        result[i] = ct
+    for i, b in zip(pushed, bits):
+        projector, total = sums[i]
+        factor = from_bits(b, total.dtype)
+        left = _projector_left(arrays[i])
+        if specs[i].source == "sketch_key_into":
+            omega = _test_matrices(specs[i], projector, jnp.shape(arrays[i]))
+            result[i] = projection(omega.astype(total.dtype), factor, not left, False)
+        else:
+            result[i] = projection(projector.astype(total.dtype), factor, left)
+    for i, ct in zip(carry_diff, ct_k):
+        result[nc + i] = ct
+    for i, ct in zip(xs_diff, ct_xs):
+        result[nc + nk + i] = ct
+    return result
+
+
+def _projector_left(w: Any) -> bool:
+    """Whether a projection of `w` `(*batch, m, n)` keeps its projector on the left
+    (`m <= n`: the rows' side is the smaller)."""
+    m, n = jnp.shape(w)[-2:]
+    return m <= n
+
+
+def _test_matrices(spec: Any, key_data: Any, shape: tuple) -> Any:
+    """The test matrices `Ω` of a stacked sketch, one per slice, as the sketch of
+    each slice drew them (`quax_tangents._marks._projection._projected`)."""
+    m, n = shape[-2:]
+    side = (m, n) if m <= n else (n, m)
+    flat = key_data.reshape(-1, key_data.shape[-1])
+
+    def one(data: Any) -> Any:
+        key = jax.random.wrap_key_data(data, impl=spec.key_impl)
+        return test_matrix(key, side, spec.rank, spec.oversample)
+
+    omega = jax.vmap(one)(flat)
+    return omega.reshape(*key_data.shape[:-1], *omega.shape[1:])

@@ -88,7 +88,9 @@ def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
 
 
 Kind = Literal["factored", "projected", "rows"]
-Source = Literal["given", "given_into", "fresh", "switch", "sketch", "sketch_key"]
+Source = Literal[
+    "given", "given_into", "fresh", "switch", "sketch", "sketch_key", "sketch_key_into"
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +101,9 @@ class Finish:
     the projector), `"fresh"` (operands: the key data) or `"switch"` (operands: the
     projector, a bool saying "refresh", the key data). `"sketch"` (operands: a test
     matrix `Ω`) and `"sketch_key"` (operands: the key data `Ω` is drawn from, as the
-    range finder of `"fresh"` draws it) give `G Ω` instead of a projection.
+    range finder of `"fresh"` draws it) give `G Ω` instead of a projection;
+    `"sketch_key_into"` (operands: the key data, a sum `S` of earlier sketches) gives
+    `S + G Ω`.
     `"given_into"` (operands: the projector, a sum `S` of earlier factors) gives
     `LowRank(P, S + G^T P)`, written over `S` slice by slice: how
     `quax_tangents.optax.accumulate_gradients` adds microbatches up without a second
@@ -112,6 +116,9 @@ class Finish:
     source: Source = "fresh"
     key_impl: str = "threefry2x32"
     oversample: int = 4
+    # Which mark a `"given_into"` spec belongs to, when a scan over its stack may
+    # project it layer by layer (see `quax_tangents._marks._marked_scan`); not compared.
+    token: int = dataclasses.field(default=0, compare=False)
 
 
 finish_p = jexc.Primitive("finish")
@@ -158,11 +165,17 @@ def test_matrix(key: Any, shape: tuple[int, int], rank: int, oversample: int) ->
     return jax.random.normal(key, (shape[1], width), _work_dtype(jnp.float32))
 
 
-def _sketch(operands: tuple, apply: Callable, m_le_n: bool, dtype: Any) -> LowRank:
+def _sketch(
+    operands: tuple, apply: Callable, m_le_n: bool, dtype: Any, total: Any = None
+) -> LowRank:
     """`Y = G Ω` for the test matrix `Ω` given, as `LowRank(Y, Ω)` (or `(Ω, Y)` for a
-    tall weight): a value of the weight's shape that carries the sketch."""
+    tall weight): a value of the weight's shape that carries the sketch. With
+    `total`, `S + G Ω`."""
     omega = operands[0]
-    sketch = apply(omega.astype(_work_dtype(omega.dtype))).astype(dtype)
+    sketch = apply(omega.astype(_work_dtype(omega.dtype)))
+    if total is not None:
+        sketch = sketch + total.astype(sketch.dtype)
+    sketch = sketch.astype(dtype)
     omega = omega.astype(dtype)
     return LowRank(sketch, omega) if m_le_n else LowRank(omega, sketch)
 
@@ -201,12 +214,13 @@ def _projected(
         apply, apply_t, shape = apply_t, apply, (n, m)
     if spec.source == "sketch":
         return _sketch(operands, apply, m <= n, dtype)
-    if spec.source == "sketch_key":
+    if spec.source in ("sketch_key", "sketch_key_into"):
         # Drawn here, one slice at a time inside a scan over stacked layers, rather
         # than for every layer at once before the pass.
         key = _key(spec, operands[0])
         omega = test_matrix(key, (shape[0], shape[1]), spec.rank, spec.oversample)
-        return _sketch((omega,), apply, m <= n, dtype)
+        total = operands[1] if spec.source == "sketch_key_into" else None
+        return _sketch((omega,), apply, m <= n, dtype, total)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source in ("given", "given_into"):
         basis_out = operands[0].astype(dtype)  # exactly the projector given
@@ -232,6 +246,7 @@ def _per_slice(spec: Finish) -> tuple[bool, ...]:
         "switch": (True, False, True),
         "sketch": (True,),
         "sketch_key": (True,),
+        "sketch_key_into": (True, True),
     }[spec.source]
 
 
@@ -354,8 +369,9 @@ _define(finish_p, _finish_dense, _finish_abstract)
 def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
     # Linear in the cotangent for a given projector; the operands are constants.
     tangent = ad.instantiate_zeros(tangents[0])
-    if spec.source == "given_into":  # affine: the sum does not move with `ct`
-        linear = dataclasses.replace(spec, source="given")
+    if spec.source in ("given_into", "sketch_key_into"):
+        # Affine: the sum does not move with `ct`.
+        linear = dataclasses.replace(spec, source=spec.source.removesuffix("_into"))
         return finish_p.bind(*primals, spec=spec), finish_p.bind(
             tangent, primals[1], spec=linear
         )
@@ -426,3 +442,97 @@ def unique_rows(x: SparseRows) -> SparseRows:
         one = jax.vmap(one)
     ids, rows = one(x.indices, x.rows)
     return SparseRows.build(ids, rows, x.num_rows)
+
+
+# ---------------------------------------------------------------------------------------
+# One slice of a `"given_into"` projection, inside a loop over the slices, and the
+# stacked result put back together (see `quax_tangents._marks._marked_scan`)
+
+projected_factor_p = jexc.Primitive("projected_factor")
+
+
+def _factor(result: LowRank, spec: Finish, shape: tuple) -> Array:
+    """The factor of a projection that is not the projector; of a sketch, the
+    sketch `G Ω` (the side of `Ω` is the larger side of the matrix `shape`)."""
+    if spec.source.startswith("sketch"):
+        m, n = shape[-2:]
+        return result.left if m <= n else result.right
+    return result.right if result.projector_side == "left" else result.left
+
+
+def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
+    return _factor(project_dense(spec, ct, operands), spec, ct.shape)
+
+
+def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
+    return jax.core.ShapedArray(operands[1].shape, operands[1].dtype)
+
+
+_define(projected_factor_p, _projected_factor_dense, _projected_factor_abstract)
+
+
+def projected_factor(ct: Any, projector: Any, total: Any, spec: Finish) -> Any:
+    """`S + G^T P` (or `S + G Q` for a tall matrix): the factor that a
+    `"given_into"` finish of one matrix's cotangent `ct` (`G`) gives with the
+    projector `projector` and the sum `total`, with `ct`'s factors kept apart
+    under quax; for a `"sketch_key_into"` finish (`projector` the key data), the
+    sketch `S + G Ω`."""
+    return projected_factor_p.bind(ct, projector, total, spec=spec)
+
+
+@rule(projected_factor_p)
+def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
+    return _factor(project_outer(spec, ct, operands), spec, ct.shape)
+
+
+@rule(projected_factor_p, dense_output=True)
+def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Array:
+    record_densification(
+        projected_factor_p.name,
+        ("Marked",),
+        "the marked weight's cotangent in one iteration of the scan is dense",
+    )
+    ct = jnp.asarray(ct)
+    return _factor(project_dense(spec, ct, operands), spec, ct.shape)
+
+
+projection_p = jexc.Primitive("projection")
+
+
+def _projection_dense(
+    projector: Array, factor: Array, *, left: bool, tagged: bool = True
+) -> Array:
+    product = jnp.matmul(projector, jnp.swapaxes(factor, -1, -2))
+    return product if left else jnp.swapaxes(product, -1, -2)
+
+
+def _projection_abstract(
+    projector: Any, factor: Any, *, left: bool, tagged: bool = True
+) -> Any:
+    *batch, side, _ = projector.shape
+    other = factor.shape[-2]
+    shape = (*batch, side, other) if left else (*batch, other, side)
+    return jax.core.ShapedArray(tuple(shape), factor.dtype)
+
+
+_define(projection_p, _projection_dense, _projection_abstract)
+
+
+def projection(projector: Any, factor: Any, left: bool, tagged: bool = True) -> Any:
+    """`P F^T` (`left`) or `F P^T`, a `LowRank` under quax (with `projector_side`
+    when `tagged`): the stacked projection (or sketch, with `Ω` as `projector`)
+    whose factors a loop over the slices wrote."""
+    return projection_p.bind(projector, factor, left=left, tagged=tagged)
+
+
+@rule(projection_p)
+def _projection_rule(
+    projector: ArrayLike, factor: ArrayLike, *, left: bool, tagged: bool = True
+) -> LowRank:
+    projector, factor = jnp.asarray(projector), jnp.asarray(factor)
+    if not tagged:
+        pair = (projector, factor) if left else (factor, projector)
+        return unchecked(LowRank, left=pair[0], right=pair[1])
+    if left:
+        return unchecked(LowRank, left=projector, right=factor, projector_side="left")
+    return unchecked(LowRank, left=factor, right=projector, projector_side="right")

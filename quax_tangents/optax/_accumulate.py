@@ -29,6 +29,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
+from .._core._inplace import as_bits, from_bits, zeros_after
 from .._core._unchecked import unchecked
 from .._distributed._sharding import (
     column_signs,
@@ -61,25 +62,63 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _per_matrix(fn: Any, *xs: Array) -> Array:
-    """`fn` of each matrix in the last two dims of `xs`, one after another
-    (`lax.map`), so that its float32 work is one matrix's size, not the stack's."""
+def _per_matrix(fn: Any, *xs: Array, after: Any = None) -> Any:
+    """`fn` of each matrix in the last two dims of `xs`, one after another, so
+    that its float32 work is one matrix's size, not the stack's. The outputs are
+    written slice by slice into buffers made once `xs` (and `after`, an array
+    computed before) exist: XLA would otherwise make every such buffer at the start
+    of the branch (see `quax_tangents._core._inplace`)."""
+    return _per_matrix_loop(fn, xs, in_place=False, after=after)
+
+
+def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> Any:
+    """`_per_matrix`; with `in_place`, the one output, of the shape and dtype of
+    `xs[0]`, is written over `xs[0]`."""
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
     flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
-    out = jax.lax.map(lambda args: fn(*args), tuple(flat))
-    return jtu.tree_map(lambda y: y.reshape(*batch, *y.shape[1:]), out)
+    count = flat[0].shape[0]
+    shapes = jax.eval_shape(fn, *[f[0] for f in flat])
+    leaves, treedef = jtu.tree_flatten(shapes)
+    if in_place:
+        assert len(leaves) == 1 and leaves[0].shape == flat[0].shape[1:]
+        assert leaves[0].dtype == flat[0].dtype
+        buffers = [as_bits(flat[0])]
+    else:
+        late = flat[-1] if after is None else after
+        buffers = [
+            as_bits(zeros_after((count, *s.shape), s.dtype, late)) for s in leaves
+        ]
+
+    def body(i: Any, buffers: list) -> list:
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
+        if in_place:
+            args = [from_bits(take(buffers[0]), flat[0].dtype), *map(take, flat[1:])]
+        else:
+            args = [take(f) for f in flat]
+        outs = jtu.tree_leaves(fn(*args))
+        return [
+            jax.lax.dynamic_update_index_in_dim(b, as_bits(o.astype(s.dtype)), i, 0)
+            for b, o, s in zip(buffers, outs, leaves)
+        ]
+
+    buffers = jax.lax.fori_loop(0, count, body, buffers)
+    outs = [
+        from_bits(b, s.dtype).reshape(*batch, *s.shape) for b, s in zip(buffers, leaves)
+    ]
+    return jtu.tree_unflatten(treedef, outs)
 
 
 def _orthonormal(x: Array, dtype: Any) -> Array:
     # The range finder's own orthonormalisation, so that the sums over microbatches
-    # give the projector that one full batch gives; kept in the weight's dtype.
+    # give the projector that one full batch gives; kept in the weight's dtype, and
+    # written over the sums it replaces.
     def one(m: Array) -> Array:
         work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
         return orthonormal_columns(work).astype(dtype)
 
-    return _per_matrix(one, x)
+    return _per_matrix_loop(one, (x.astype(dtype),), in_place=True)
 
 
 def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
@@ -115,6 +154,12 @@ def _marked(
         return in_matrix_view(
             leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
         )
+    elif kind == "sketch_key" and total is not None:
+        # The mark adds this microbatch's sketch to the running sum (in place, slice
+        # by slice, when the model scans over the stack).
+        source = "sketch_key_into"
+        spec = Finish("projected", plan.rank, 0, source, mode[2], _OVERSAMPLE)
+        operands = (matrix, total)
     elif kind == "sketch_key":
         spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
         operands = (matrix,)
@@ -192,9 +237,13 @@ def _pass(
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
-    # Projections with a given projector add into the sum themselves.
+    # Projections with a given projector, and sketches with drawn test matrices, add
+    # into the sum themselves.
     into = [
-        p is not None and p.kind == "project" and m is not None and m[0] == "given"
+        p is not None
+        and p.kind == "project"
+        and m is not None
+        and m[0] in ("given", "sketch_key")
         for p, m in zip(plans, modes)
     ]
 
@@ -209,8 +258,12 @@ def _pass(
         rows = [None if add else x for x, add in zip(parts, summed)]
         return (loss_sum + loss, sums), (aux, rows)
 
+    # Made once this pass's projectors exist, not at the start of every pass.
+    after = [m[1] for m in modes if m is not None and _is_float(m[1])]
     zeros = [
-        jnp.zeros(s.shape, s.dtype) if add and s is not None else None
+        zeros_after(s.shape, s.dtype, after[0] if after else None)
+        if add and s is not None
+        else None
         for s, add in zip(shapes[2], summed)
     ]
     init = (jnp.zeros(shapes[0].shape, shapes[0].dtype), zeros)
@@ -221,6 +274,10 @@ def _pass(
         for s, r, add in zip(sums, rows, summed)
     ]
     return loss_sum / k, aux, means
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _rows_mean(stacked: Any, k: int) -> Any:
@@ -359,14 +416,17 @@ def accumulate_gradients(
             bases = orthonormal(run(sketch(tests))[2])
         loss, aux, products = run(given(bases))
         matrices, factors = [], []
+        done = None  # one leaf's outputs are made once the leaf before is done
         for i, (q, b) in enumerate(zip(bases, products)):
             if q is None:
                 matrices.append(None)
                 factors.append(b)
                 continue
-            p, f = _per_matrix(functools.partial(_truncate, rank=plans[i].rank), q, b)
+            truncate = functools.partial(_truncate, rank=plans[i].rank)
+            p, f = _per_matrix(truncate, q, b, after=done)
             matrices.append(p)
             factors.append(f)
+            done = f
         return loss, aux, _finish(plans, leaves, matrices, factors)
 
     # The projectors enter as operands: traced, the steady branch does not check the

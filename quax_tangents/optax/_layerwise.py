@@ -15,7 +15,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from .._core._guard import guard, is_guard
-from .._core._inplace import as_bits, bits_dtype, from_bits
+from .._core._inplace import as_bits, bits_dtype, from_bits, zeros_after
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -422,8 +422,13 @@ class _Loop:
     def run(self) -> tuple[PyTree, Any]:
         self._outputs()
         pairs = self._pairs()
+        # The loop's starting buffers are made once the gradients exist, not at the
+        # start of the step and through the gradient pass (see `_inplace`).
+        late = next(
+            (a for a in self.arrays if jnp.issubdtype(a.dtype, jnp.floating)), None
+        )
         initial_state = [
-            x if r is None else as_bits(x)
+            x if r is None else as_bits(x, after=late)
             for x, r in zip(self.state_leaves, self.state_rows)
         ]
         initial_out = [
@@ -431,7 +436,9 @@ class _Loop:
             if p is not None
             else as_bits(self.arrays[pairs[o]])
             if o in pairs
-            else jnp.zeros(f.shape, f.dtype if r is None else bits_dtype(f.dtype))
+            else zeros_after(
+                f.shape, f.dtype if r is None else bits_dtype(f.dtype), late
+            )
             for o, (f, r, p) in enumerate(
                 zip(self.full_out, self.out_rows, self.passthrough)
             )

@@ -576,3 +576,204 @@ def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
     sketch, test = (got.left, got.right) if m <= n else (got.right, got.left)
     assert_close(test, omega)
     assert_close(sketch, wide @ omega, factor=4)
+
+
+# ---------------------------------------------------------------------------------------
+# A "given_into" mark on a stack that a scan slices: projected layer by layer in the
+# scan's backward pass (`quax_tangents._marks._marked_scan.scan_with_projected_xs`)
+
+
+def _given_into(projectors, totals):
+    from quax_tangents._marks._cotangents import _mark
+    from quax_tangents._marks._projection import Finish
+
+    spec = Finish("projected", R, 0, "given_into")
+    return lambda params: {
+        name: _mark(spec, w, (projectors[name], totals[name]))
+        for name, w in params.items()
+    }
+
+
+def _totals(batch):
+    return {"w": random_array(6, (*batch, N, R)), "v": random_array(7, (*batch, N, R))}
+
+
+@pytest.fixture
+def scans_projected(monkeypatch):
+    """How many scans took the layer-by-layer path."""
+    from quax_tangents._marks import _marked_scan
+
+    calls = []
+    original = _marked_scan.scan_with_projected_xs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_marked_scan, "scan_with_projected_xs", counted)
+    return calls
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_a_given_into_stack_scanned_over_is_projected_layer_by_layer(
+    batch, remat, scans_projected
+):
+    # The gradient is `LowRank(P, S + G^T P)` (`(S + G Q, Q)` for a tall weight)
+    # slice by slice, for the dense gradient `G`, the projectors as given.
+    params, projectors, totals = (
+        stacked_params(batch, M, N),
+        _projectors(batch),
+        _totals(batch),
+    )
+    mark = _given_into(projectors, totals)
+    with qt.fallback("error"):
+        grads = jax.jit(qt.grad(_loss), static_argnums=(1, 2))(params, mark, remat)
+    assert scans_projected
+    dense = jax.jit(jax.grad(_loss), static_argnums=(1, 2))(params, None, remat)
+    for name, side in SIDES.items():
+        grad = grads[name]
+        assert isinstance(grad, qt.LowRank) and grad.projector_side == side
+        projector, factor = (
+            (grad.left, grad.right) if side == "left" else (grad.right, grad.left)
+        )
+        np.testing.assert_array_equal(projector, projectors[name])
+        g = dense[name] if side == "left" else jnp.swapaxes(dense[name], -1, -2)
+        expected = totals[name] + jnp.swapaxes(g, -1, -2) @ projectors[name]
+        assert_close(factor, expected)
+
+
+def test_a_given_into_stack_used_in_and_out_of_a_scan_raises(scans_projected):
+    params = stacked_params((3,), M, N)
+    mark = _given_into(_projectors((3,)), _totals((3,)))
+
+    def loss(params):
+        marked = mark(params)
+        decay = jnp.sum(marked["w"] ** 2)  # a use outside the scan
+        return jnp.sum(scanned(X, marked) ** 2) + decay
+
+    with qt.fallback("silent"), pytest.raises(ValueError, match="both scanned over"):
+        qt.grad(loss)(params)
+    assert scans_projected
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.sampled_from([(), (3,)]),
+    sides=st.sampled_from([(4, 7), (7, 4)]),
+)
+def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, sides):
+    # `projected_factor` of an `OuterSum` (its quax rule) against its dense semantics
+    # on the materialised cotangent, and `projection` (a `LowRank` under quax)
+    # against the dense product of its factors.
+    import quax
+
+    from quax_tangents._marks._projection import Finish, projected_factor, projection
+    from quax_tangents._types.outer import OuterSum
+
+    m, n = sides
+    small, large, rank = min(m, n), max(m, n), 2
+    left = random_array(seed, (*batch, m, 5))
+    right = random_array(seed + 1, (*batch, n, 5))
+    projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
+    total = random_array(seed + 3, (*batch, large, rank))
+    spec = Finish("projected", rank, 0, "given_into")
+    outer = OuterSum(left, right)
+    got = quax.quaxify(lambda c: projected_factor(c, projector, total, spec))(outer)
+    expected = projected_factor(outer.materialise(), projector, total, spec)
+    assert_close(got, expected)
+    wide = jnp.swapaxes(outer.materialise(), -1, -2) if m <= n else outer.materialise()
+    assert_close(expected, total + wide @ projector)
+    # The same for a sketch whose test matrix is drawn from a key.
+    width = min(rank + 4, m, n)
+    key_data = jax.random.key_data(jax.random.key(seed)).reshape(
+        (1,) * len(batch) + (2,)
+    )
+    key_data = jnp.broadcast_to(key_data, (*batch, 2))
+    sums = random_array(seed + 4, (*batch, small, width))
+    sketch = Finish("projected", rank, 0, "sketch_key_into", "threefry2x32", 4)
+    got = quax.quaxify(lambda c: projected_factor(c, key_data, sums, sketch))(outer)
+    assert_close(got, projected_factor(outer.materialise(), key_data, sums, sketch))
+    for is_left in (True, False):
+        lowrank = quax.quaxify(
+            lambda p, f, is_left=is_left: projection(p, f, is_left),
+            filter_spec=lambda _: True,
+        )(projector, total)
+        assert isinstance(lowrank, qt.LowRank)
+        assert lowrank.projector_side == ("left" if is_left else "right")
+        assert_close(lowrank.materialise(), projection(projector, total, is_left))
+
+
+def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
+    # One factor of `w`'s gradient, its output cotangent for every layer (kept as
+    # `(N, rows)` per layer), is a stacked `(layers, N, rows)` buffer when the
+    # projection runs after the scan (a "given" mark) and never formed when it runs
+    # layer by layer. The model is checkpointed per block: the forward pass saves
+    # only the `(layers, rows, M)` block inputs.
+    batch, rows = (3,), 10
+    params, projectors, totals = (
+        stacked_params(batch, M, N),
+        _projectors(batch),
+        _totals(batch),
+    )
+    x = random_array(9, (rows, M))
+
+    def loss(params, projectors, totals, into):
+        if into:
+            marked = _given_into(projectors, totals)(params)
+        else:
+            marked = {
+                name: qt.projected_cotangent(w, R, projector=projectors[name])
+                for name, w in params.items()
+            }
+        return jnp.sum(scanned(x, marked, remat=True) ** 2)
+
+    def step(into):
+        return jax.jit(lambda p, P, S: qt.grad(loss)(p, P, S, into))
+
+    stacked = f"f32[{batch[0]},{N},{rows}]"
+    args = (params, projectors, totals)
+    assert weight_buffers(step(False), args, stacked)
+    assert not scans_projected
+    assert weight_buffers(step(True), args, stacked) == []
+    assert scans_projected
+
+
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
+    batch, scans_projected
+):
+    # A "sketch_key_into" mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
+    # for a tall weight) slice by slice, with each slice's test matrix drawn from its
+    # key as the range finder draws it, against the dense gradient.
+    from quax_tangents._marks._cotangents import _mark
+    from quax_tangents._marks._projection import Finish, test_matrix
+
+    params = stacked_params(batch, M, N)
+    count = int(np.prod(batch))
+    keys = jax.random.split(jax.random.key(5), count)
+    key_data = jax.random.key_data(keys).reshape(*batch, 2)
+    width = min(R + 4, M, N)
+    totals = {
+        "w": random_array(6, (*batch, M, width)),
+        "v": random_array(7, (*batch, M, width)),
+    }
+    spec = Finish("projected", R, 0, "sketch_key_into", "threefry2x32", 4)
+
+    def mark(params):
+        return {
+            name: _mark(spec, w, (key_data, totals[name])) for name, w in params.items()
+        }
+
+    with qt.fallback("error"):
+        grads = jax.jit(qt.grad(_loss), static_argnums=(1, 2))(params, mark, True)
+    assert scans_projected
+    dense = jax.jit(jax.grad(_loss), static_argnums=(1, 2))(params, None, True)
+    omegas = jax.vmap(lambda k: test_matrix(k, (M, N), R, 4))(keys)
+    omegas = omegas.reshape(*batch, N, width)
+    for name, side in SIDES.items():
+        g = dense[name] if side == "left" else jnp.swapaxes(dense[name], -1, -2)
+        expected = totals[name] + g @ omegas
+        sketch = grads[name].left if side == "left" else grads[name].right
+        assert_close(sketch, expected)
