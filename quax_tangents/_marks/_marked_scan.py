@@ -221,7 +221,8 @@ def scan_with_projected_xs(
     # The weight before the mark: its cotangent is what the backward pass gives.
     arrays = [a if e is None else e.weight for a, e in zip(args, entries)]
     pushed = [i for i, e in enumerate(entries) if e is not None]
-    extras = [x for i in pushed for x in (entries[i].projector, entries[i].total)]
+    found = [e for e in entries if e is not None]
+    extras = [x for e in found for x in (e.projector, e.total)]
     body = jexc.jaxpr_as_fun(jaxpr)
     options = dict(
         length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
@@ -251,7 +252,7 @@ def scan_with_projected_xs(
     def scanned_bwd(residuals: tuple, cts: list[Any]) -> tuple:
         flat, carries = residuals
         arrays, extra = list(flat[:n]), list(flat[n:])
-        specs = {i: entries[i].spec for i in pushed}
+        specs = {i: e.spec for i, e in zip(pushed, found)}
         sums = {i: (extra[2 * k], extra[2 * k + 1]) for k, i in enumerate(pushed)}
         result = _backward_projected(
             body, metas, nc, nk, options, arrays, carries, cts, sums, specs

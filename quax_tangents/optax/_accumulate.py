@@ -143,7 +143,8 @@ def _marked(
         return leaf
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
-    kind, matrix = mode[:2]  # type: ignore[index]
+    assert mode is not None  # a projected leaf always has a mode
+    kind, matrix = mode[:2]
     if kind == "given" and total is not None:
         # The mark adds this microbatch's factor to the running sum in place.
         spec = Finish("projected", matrix.shape[-1], 0, "given_into")

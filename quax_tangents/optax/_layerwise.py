@@ -5,7 +5,7 @@ state, Adam's float32 moments, the updates before they are cast) are one layer's
 size, not the model's.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -470,7 +470,7 @@ class _Loop:
         final_out = [
             guard(f.shape[:-2])
             if p == "guard"
-            else self.arrays[p]
+            else self.arrays[cast(int, p)]
             if p is not None
             else (x if r is None else from_bits(x, f.dtype))
             for x, f, r, p in zip(
