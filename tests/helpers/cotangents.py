@@ -12,7 +12,14 @@ from hypothesis import assume, strategies as st
 import quax_tangents as qt
 from quax_tangents._core._lax import add_any_p
 from quax_tangents._marks._cotangents import Marked, full_perm, mark_p
-from quax_tangents._marks._projection import Finish, finish_p, outer_sum_p, rows_p
+from quax_tangents._marks._projection import (
+    Finish,
+    finish_p,
+    outer_sum_p,
+    projected_factor_p,
+    projection_p,
+    rows_p,
+)
 from quax_tangents._types.outer import OuterSum
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
@@ -182,6 +189,75 @@ def _finish_rows():
         return Case(_finish_fn(Finish("rows")), (x,), x.dtype, qt.SparseRows, 2.0)
 
     return rows_values().map(build)
+
+
+# ---------------------------------------------------------------------------------------
+# One slice of a projection inside a loop over the slices, and the stacked result
+
+
+@st.composite
+def _into_operands(draw, shape, batch):
+    """A `"given_into"` or `"sketch_key_into"` spec for a matrix of `shape` (stacked
+    over `batch`) and its operands: a projector (or key data) and a running sum."""
+    m, n = shape
+    small, large = min(m, n), max(m, n)
+    rank = draw(st.integers(1, small))
+    if draw(st.booleans()):
+        projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, small, rank)))
+        total = random_array(draw(seeds()), (*batch, large, rank))
+        return Finish("projected", rank, 0, "given_into"), (projector[0], total)
+    oversample = draw(st.integers(0, 4))
+    width = min(rank + oversample, m, n)
+    keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
+    key = jax.random.key_data(keys).reshape((*batch, -1))
+    sums = random_array(draw(seeds()), (*batch, small, width))
+    spec = Finish("projected", rank, 0, "sketch_key_into", "threefry2x32", oversample)
+    return spec, (key, sums)
+
+
+def _projected_factor_fn(spec):
+    return lambda ct, *operands: projected_factor_p.bind(ct, *operands, spec=spec)
+
+
+@case("projected_factor", "OuterSum", "*dense")
+def _projected_factor_outer():
+    @st.composite
+    def draw_case(draw):
+        x = draw(outer_sums(dtype=jnp.float32, batch=draw(batches(max_ndim=1))))
+        spec, operands = draw(_into_operands(x.shape[-2:], x.shape[:-2]))
+        fn = _projected_factor_fn(spec)
+        return Case(fn, (x, *operands), out_type=jax.Array, factor=4.0)
+
+    return draw_case()
+
+
+@case("projected_factor", "dense", "*dense")
+def _projected_factor_dense():
+    @st.composite
+    def draw_case(draw):
+        batch = draw(batches(max_ndim=1))
+        shape = (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+        g = random_array(draw(seeds()), (*batch, *shape))
+        spec, operands = draw(_into_operands(shape, batch))
+        fn = _projected_factor_fn(spec)
+        return Case(fn, (g, *operands), out_type=jax.Array, factor=4.0)
+
+    return draw_case()
+
+
+@case("projection", "dense", "dense")
+def _projection():
+    @st.composite
+    def draw_case(draw):
+        batch = draw(batches(max_ndim=1))
+        side, other, rank = (draw(st.integers(1, 5)) for _ in range(3))
+        projector = random_array(draw(seeds()), (*batch, side, rank))
+        factor = random_array(draw(seeds()), (*batch, other, rank))
+        left, tagged = draw(st.booleans()), draw(st.booleans())
+        fn = lambda p, f: projection_p.bind(p, f, left=left, tagged=tagged)  # noqa: E731
+        return Case(fn, (projector, factor), out_type=qt.LowRank, factor=2.0)
+
+    return draw_case()
 
 
 # ---------------------------------------------------------------------------------------
