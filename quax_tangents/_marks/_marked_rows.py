@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._core._registry import rule
-from ._cotangents import Marked
+from ._marked import Marked
 from ._projection import rows_p
 
 

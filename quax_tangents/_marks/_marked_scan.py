@@ -28,7 +28,7 @@ import quax
 
 from .._core._inplace import as_bits, from_bits
 from . import _cotangents
-from ._cotangents import Marked
+from ._marked import Marked
 from ._projection import projected_factor, projection, test_matrix
 
 

@@ -7,7 +7,7 @@ from jax._src.core import pvary_p
 
 from .._core._registry import rule
 from .._distributed._devices import vary_leaf
-from ._cotangents import Marked
+from ._marked import Marked
 
 
 @rule(pvary_p)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
 from .._core._registry import rule
-from ._cotangents import Marked, factored_product, full_perm, seen
+from ._marked import Marked, factored_product, full_perm, seen
 
 
 # ---------------------------------------------------------------------------------------

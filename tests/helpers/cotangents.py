@@ -11,7 +11,8 @@ from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
 from quax_tangents._core._lax import add_any_p
-from quax_tangents._marks._cotangents import Marked, full_perm, mark_p
+from quax_tangents._marks._cotangents import mark_p
+from quax_tangents._marks._marked import Marked, full_perm
 from quax_tangents._marks._projection import (
     Finish,
     finish_p,
