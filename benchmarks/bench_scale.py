@@ -896,14 +896,16 @@ def report(
             "",
             *fsdp_table(results),
             "",
-            "These are XLA's own choices of collectives for the given shardings "
-            "(no explicit all-gather of each layer's weights), so its SPMD "
-            "partitioner may partition a matmul instead of gathering its weight, "
-            "and on CPU it promotes bfloat16 collectives to float32. The "
+            "These are XLA's own choices of collectives for the given shardings, "
+            "with the model's activations pinned to the batch sharding at every "
+            "block (`with_sharding_constraint`, as FSDP model code does, so that "
+            "the partitioner gathers each layer's weights rather than the "
+            "activations); on CPU it promotes bfloat16 collectives to float32. The "
             "projected-8bit step is the library's path as above, with no sharding "
             "annotation inside it: the buffers it creates (the sums of factors, the "
             "layer loops' carries) are left to the partitioner, which replicates "
-            "much of them: per device it holds "
+            "much of them and all-reduces each microbatch's factors into them "
+            "rather than reduce-scattering: per device it holds "
             + ", ".join(
                 f"{_fsdp_ratio(results, m):.2f}x of BF16 Adam's at {m}"
                 for m in FSDP_MODELS
