@@ -393,10 +393,8 @@ def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
         return (None, *none)
     if spec.token in _state.projected_by_scan:
         raise ValueError(
-            "A marked stacked weight was both scanned over by `lax.scan` (whose "
-            "backward pass projects its gradient layer by layer) and used "
-            "elsewhere; its gradient would count the running sum twice. Use the "
-            "weight only inside the scan, or mark it inside the scan's body."
+            "A marked stacked weight was both scanned over by `lax.scan` and used "
+            f"elsewhere; its gradient would count the running sum twice. {_ONE_SCAN}"
         )
     # A bwd rule may not return a quax value; a primitive whose quax rule builds one
     # can, because under the trace its output is a tracer.
@@ -436,7 +434,7 @@ _tokens = itertools.count(1)
 
 def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
     into = spec.source in ("given_into", "sketch_key_into")
-    if spec.kind != "projected" or not into or jnp.ndim(w) < 3:
+    if spec.kind != "projected" or not into or not spec.by_layer or jnp.ndim(w) < 3:
         return None
     return dataclasses.replace(spec, token=next(_tokens))
 
@@ -453,9 +451,24 @@ def pushable(x: Any) -> Pushable | None:
     return entry
 
 
+_ONE_SCAN = (
+    "`quax_tangents.optax.accumulate_gradients` projects a stacked weight's "
+    "gradient layer by layer in the backward pass of the `lax.scan` over its stack, "
+    "writing it into the running sum; that needs the stack to be used in exactly one "
+    "scan and nowhere else. Pass `by_layer=False` to `accumulate_gradients` for a "
+    "model that uses it more than once: the same result, with each layer's factors "
+    "kept until the scan ends."
+)
+
+
 def projected_by_scan(entry: Pushable) -> None:
     """Records that a scan projects `entry`'s mark: its own finish must then see no
-    cotangent."""
+    cotangent, and no other scan may project it too (each would add the running sum
+    once more)."""
+    if entry.spec.token in _state.projected_by_scan:
+        raise ValueError(
+            f"A marked stacked weight is scanned over by two `lax.scan`s. {_ONE_SCAN}"
+        )
     _state.projected_by_scan.add(entry.spec.token)
 
 

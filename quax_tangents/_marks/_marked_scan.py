@@ -99,6 +99,38 @@ def scan_with_marked_consts(
     return scanned(*arrays)
 
 
+def _iteration_cotangents(
+    body: Callable,
+    metas: Sequence[dict | None],
+    float_positions: Sequence[int],
+    inputs: list[Any],
+    nk: int,
+    ct_carry: Sequence[Any],
+    ct_ys: Sequence[Any],
+) -> dict[int, Any]:
+    """One iteration of a backward scan: the VJP of the body at `inputs` (the
+    marked operands seen as `Marked`, so that their cotangents stay factored),
+    pulled back from the output carry's and ys' cotangents; the cotangent of each
+    floating operand, by position."""
+
+    def of_floats(*floats: Any) -> list[Any]:
+        full = list(inputs)
+        for i, f in zip(float_positions, floats):
+            full[i] = f
+        values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
+        return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
+
+    outs, pullback = jax.vjp(of_floats, *[inputs[i] for i in float_positions])
+    out_cts = []
+    k_iter, y_iter = iter(ct_carry), iter(ct_ys)
+    for j, out in enumerate(outs):
+        if not _is_float(out):
+            out_cts.append(np.zeros(jnp.shape(out), jax.dtypes.float0))
+        else:
+            out_cts.append(next(k_iter) if j < nk else next(y_iter))
+    return dict(zip(float_positions, pullback(out_cts)))
+
+
 def _backward(
     body: Callable,
     metas: Sequence[dict | None],
@@ -118,34 +150,15 @@ def _backward(
     const_marked = [i for i in range(nc) if diff[i] and metas[i] is not None]
     carry_diff = [i for i in range(nk) if diff[nc + i]]
     xs_diff = [i for i in range(len(xs)) if diff[nc + nk + i]]
-
-    def at(inputs: list[Any]) -> tuple[list[Any], Callable]:
-        """The body at one iteration's operands, as a function of the floating
-        ones, with the marked ones seen as `Marked`."""
-        float_positions = [i for i, d in enumerate(diff) if d]
-
-        def of_floats(*floats: Any) -> list[Any]:
-            full = list(inputs)
-            for i, f in zip(float_positions, floats):
-                full[i] = f
-            values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
-            return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
-
-        return [inputs[i] for i in float_positions], of_floats
+    float_positions = [i for i, d in enumerate(diff) if d]
 
     def back_step(acc: tuple, inp: tuple) -> tuple:
         ct_k, ct_c = acc
         carry_t, x_t, ct_y_t = inp
-        floats, of_floats = at([*consts, *carry_t, *x_t])
-        outs, pullback = jax.vjp(of_floats, *floats)
-        out_cts = []
-        k_iter, y_iter = iter(ct_k), iter(ct_y_t)
-        for j, out in enumerate(outs):
-            if not _is_float(out):
-                out_cts.append(np.zeros(jnp.shape(out), jax.dtypes.float0))
-            else:
-                out_cts.append(next(k_iter) if j < nk else next(y_iter))
-        in_cts = dict(zip([i for i, d in enumerate(diff) if d], pullback(out_cts)))
+        inputs = [*consts, *carry_t, *x_t]
+        in_cts = _iteration_cotangents(
+            body, metas, float_positions, inputs, nk, ct_k, ct_y_t
+        )
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
         new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
         per_iteration = [in_cts[i] for i in const_marked]
@@ -288,29 +301,13 @@ def _backward_projected(
     pushed = sorted(sums)
     float_positions = [i for i, d in enumerate(diff) if d]
 
-    def at(inputs: list[Any]) -> tuple[list[Any], Callable]:
-        def of_floats(*floats: Any) -> list[Any]:
-            full = list(inputs)
-            for i, f in zip(float_positions, floats):
-                full[i] = f
-            values = [Marked(a, **m) if m else a for a, m in zip(full, metas)]
-            return list(quax.quaxify(body, filter_spec=lambda _: True)(*values))
-
-        return [inputs[i] for i in float_positions], of_floats
-
     def back_step(acc: tuple, inp: tuple) -> tuple:
         ct_k, ct_c, bits = acc
         index, carry_t, x_t, ct_y_t = inp
-        floats, of_floats = at([*consts, *carry_t, *x_t])
-        outs, pullback = jax.vjp(of_floats, *floats)
-        out_cts = []
-        k_iter, y_iter = iter(ct_k), iter(ct_y_t)
-        for j, out in enumerate(outs):
-            if not _is_float(out):
-                out_cts.append(np.zeros(jnp.shape(out), jax.dtypes.float0))
-            else:
-                out_cts.append(next(k_iter) if j < nk else next(y_iter))
-        in_cts = dict(zip(float_positions, pullback(out_cts)))
+        inputs = [*consts, *carry_t, *x_t]
+        in_cts = _iteration_cotangents(
+            body, metas, float_positions, inputs, nk, ct_k, ct_y_t
+        )
         new_bits = []
         for i, b in zip(pushed, bits):
             projector, total = sums[i]

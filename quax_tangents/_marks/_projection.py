@@ -119,6 +119,8 @@ class Finish:
     # Which mark a `"given_into"` spec belongs to, when a scan over its stack may
     # project it layer by layer (see `quax_tangents._marks._marked_scan`); not compared.
     token: int = dataclasses.field(default=0, compare=False)
+    # Whether a scan over the stack may do so (`accumulate_gradients(by_layer=...)`).
+    by_layer: bool = True
 
 
 finish_p = jexc.Primitive("finish")

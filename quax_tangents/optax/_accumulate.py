@@ -137,7 +137,11 @@ def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
 
 
 def _marked(
-    leaf: Any, plan: LeafPlan | None, mode: tuple | None, total: Any = None
+    leaf: Any,
+    plan: LeafPlan | None,
+    mode: tuple | None,
+    total: Any = None,
+    by_layer: bool = True,
 ) -> Any:
     if plan is None or leaf is None:
         return leaf
@@ -147,7 +151,7 @@ def _marked(
     kind, matrix = mode[:2]
     if kind == "given" and total is not None:
         # The mark adds this microbatch's factor to the running sum in place.
-        spec = Finish("projected", matrix.shape[-1], 0, "given_into")
+        spec = Finish("projected", matrix.shape[-1], 0, "given_into", by_layer=by_layer)
         operands = (matrix.astype(leaf.dtype), total)
     elif kind == "given":
         width = matrix.shape[-1]
@@ -159,7 +163,9 @@ def _marked(
         # The mark adds this microbatch's sketch to the running sum (in place, slice
         # by slice, when the model scans over the stack).
         source = "sketch_key_into"
-        spec = Finish("projected", plan.rank, 0, source, mode[2], _OVERSAMPLE)
+        spec = Finish(
+            "projected", plan.rank, 0, source, mode[2], _OVERSAMPLE, by_layer=by_layer
+        )
         operands = (matrix, total)
     elif kind == "sketch_key":
         spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
@@ -205,6 +211,7 @@ def _pass(
     treedef: Any,
     modes: list,
     has_aux: bool,
+    by_layer: bool,
 ) -> tuple[Array, Any, list]:
     """(mean loss, stacked aux, mean contributions per leaf) over the microbatches."""
     paths = [
@@ -217,7 +224,8 @@ def _pass(
     def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
         marked = [
-            _marked(x, p, m, t) for x, p, m, t in zip(leaves, plans, modes, totals)
+            _marked(x, p, m, t, by_layer)
+            for x, p, m, t in zip(leaves, plans, modes, totals)
         ]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
@@ -321,6 +329,7 @@ def accumulate_gradients(
     key: PRNGKeyArray | None = None,
     iters: int = 0,
     has_aux: bool = False,
+    by_layer: bool = True,
 ) -> tuple[Any, PyTree]:
     """The loss and gradient of a batch split into `k` microbatches, inside one step,
     in the form [`quax_tangents.optax.projected`][] takes: a `lax.scan` over the
@@ -360,6 +369,12 @@ def accumulate_gradients(
     - `iters`: power iterations of the range finder (0 by default: each costs two
         more passes on refresh steps).
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+    - `by_layer`: when `loss_fn` runs a stacked projected leaf through `lax.scan`
+        (the blocks of a scanned model), project each layer's gradient in that
+        scan's backward pass, written into the running sum, so that one layer's
+        factors are alive at a time. It needs the stack to be used in exactly one
+        scan and nowhere else (a `ValueError` says so otherwise); `False` keeps
+        every layer's factors until the scan ends, for any use, with the same result.
 
     **Returns:**
 
@@ -382,7 +397,9 @@ def accumulate_gradients(
     key_impl = str(jax.random.key_impl(keys))
 
     def run(modes: list) -> tuple[Array, Any, list]:
-        return _pass(loss_fn, params, microbatches, plans, treedef, modes, has_aux)
+        return _pass(
+            loss_fn, params, microbatches, plans, treedef, modes, has_aux, by_layer
+        )
 
     def given(matrices: list) -> list:
         return [None if q is None else ("given", q) for q in matrices]

@@ -289,6 +289,32 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
         params = qto.apply_updates(params, updates)
 
 
+def test_a_stack_scanned_twice_raises_naming_by_layer_false_which_gives_the_result():
+    # The layer-by-layer projection writes the running sum inside the one scan over
+    # the stack; a model that runs the stack twice (weights shared across two
+    # passes) must say so, and `by_layer=False` gives the full-batch projection.
+    rng = np.random.default_rng(5)
+    params = {"up": jnp.asarray(rng.standard_normal((2, 6, 9)), jnp.float32) * 0.3}
+    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2)
+    state = tx.init(params)
+
+    def loss(p, x):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["up"]) @ w["up"].T, None
+
+        twice = jax.lax.scan(layer, jax.lax.scan(layer, x, p)[0], p)[0]
+        return jnp.mean(twice**2)
+
+    microbatches = jnp.asarray(rng.standard_normal((K, B, 6)), jnp.float32)
+    with pytest.raises(ValueError, match="by_layer=False"):
+        qto.accumulate_gradients(loss, params, state, microbatches)
+    _, grads = qto.accumulate_gradients(
+        loss, params, state, microbatches, by_layer=False
+    )
+    expected = qt.grad(lambda p: loss(qto.mark(p, state), _full(microbatches)))(params)
+    assert_close(grads["up"], expected["up"], factor=5)
+
+
 # ---------------------------------------------------------------------------------------
 # Weights stored with more dims than their matrix (`dims=`)
 
