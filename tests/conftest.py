@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 
@@ -44,3 +45,19 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+def scans_projected(monkeypatch):
+    """How many scans took the layer-by-layer path."""
+    from quax_tangents._marks import _marked_scan
+
+    calls = []
+    original = _marked_scan.scan_with_projected_xs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_marked_scan, "scan_with_projected_xs", counted)
+    return calls

@@ -385,6 +385,8 @@ def accumulate_gradients(
     """
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
+    if not isinstance(by_layer, bool):
+        raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     inner = find_state(state, _WHERE)
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)
     if not jtu.tree_leaves(microbatches):

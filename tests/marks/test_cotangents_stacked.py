@@ -598,22 +598,6 @@ def _totals(batch):
     return {"w": random_array(6, (*batch, N, R)), "v": random_array(7, (*batch, N, R))}
 
 
-@pytest.fixture
-def scans_projected(monkeypatch):
-    """How many scans took the layer-by-layer path."""
-    from quax_tangents._marks import _marked_scan
-
-    calls = []
-    original = _marked_scan.scan_with_projected_xs
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_marked_scan, "scan_with_projected_xs", counted)
-    return calls
-
-
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "plain"])
 @pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
 def test_a_given_into_stack_scanned_over_is_projected_layer_by_layer(

@@ -289,6 +289,64 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
         params = qto.apply_updates(params, updates)
 
 
+def _one_layer(h, w):
+    return h + jnp.tanh(h @ w["up"]) @ w["up"].T
+
+
+_SCANS = {
+    "reverse": lambda p, x: jax.lax.scan(
+        lambda h, w: (_one_layer(h, w), None), x, p, reverse=True
+    )[0],
+    "unrolled": lambda p, x: jax.lax.scan(
+        lambda h, w: (_one_layer(h, w), None), x, p, unroll=2
+    )[0],
+    "weight used twice per layer": lambda p, x: jax.lax.scan(
+        lambda h, w: (_one_layer(_one_layer(h, w), w), None), x, p
+    )[0],
+    "inside an outer scan": lambda p, x: jax.lax.scan(
+        lambda c, _: (
+            jax.lax.scan(lambda h, w: (_one_layer(h, w), None), c, p)[0],
+            None,
+        ),
+        x,
+        None,
+        length=2,
+    )[0],
+}
+
+
+@pytest.mark.parametrize("form", sorted(_SCANS))
+def test_the_layer_by_layer_projection_holds_for_other_forms_of_scan(
+    form, scans_projected
+):
+    # Each form gives the full-batch projection. All but the last take the
+    # layer-by-layer path: a scan over the stack nested in an outer scan that closes
+    # over it keeps each layer's factors until the scans end.
+    rng = np.random.default_rng(6)
+    params = {"up": jnp.asarray(rng.standard_normal((3, 6, 9)), jnp.float32) * 0.3}
+    tx = qto.projected(optax.scale_by_adam(), rank=RANK, learning_rate=1e-2)
+    state = tx.init(params)
+
+    def loss(p, x):
+        return jnp.mean(_SCANS[form](p, x) ** 2)
+
+    microbatches = jnp.asarray(rng.standard_normal((K, B, 6)), jnp.float32)
+    with qt.fallback("error"):
+        _, grads = qto.accumulate_gradients(loss, params, state, microbatches)
+    assert bool(scans_projected) == (form != "inside an outer scan")
+    expected = qt.grad(lambda p: loss(qto.mark(p, state), _full(microbatches)))(params)
+    assert_close(grads["up"], expected["up"], factor=5)
+
+
+def test_by_layer_must_be_a_bool():
+    params = {"up": jnp.zeros((2, 6, 9))}
+    state = qto.projected(optax.scale_by_adam(), rank=RANK).init(params)
+    with pytest.raises(TypeError, match="by_layer"):
+        qto.accumulate_gradients(
+            lambda p, x: jnp.sum(x), params, state, jnp.ones((K, 1)), by_layer=1
+        )
+
+
 def test_a_stack_scanned_twice_raises_naming_by_layer_false_which_gives_the_result():
     # The layer-by-layer projection writes the running sum inside the one scan over
     # the stack; a model that runs the stack twice (weights shared across two
