@@ -44,8 +44,11 @@ def _never(after: Any) -> Any:
     # `x != x and x == x` is false for every float, NaN included; XLA does not fold
     # it, so what is computed from it waits for `after`.
     # The first element read through its bits: slicing a bfloat16 array on CPU
-    # converts the whole array to float32 first.
-    x = from_bits(jnp.ravel(as_bits(after))[0], after.dtype)
+    # converts the whole array to float32 first. A corner, not `ravel(...)[0]`: the
+    # partitioner gathers a sharded array whole to flatten it.
+    bits = as_bits(after)
+    corner = lax.slice(bits, (0,) * bits.ndim, (1,) * bits.ndim)
+    x = from_bits(jnp.reshape(corner, ()), after.dtype)
     return jnp.logical_and(x != x, x == x)
 
 

@@ -75,7 +75,13 @@ def factored_type(shape: tuple, dtype: Any, left: Any, right: Any) -> Any:
     if sharding is None or mat is None:
         return jax.core.ShapedArray(shape, dtype)
     left_spec = _padded(ref)
-    right_spec = _padded(jax.typeof(right))
+    right_ref = jax.typeof(right)
+    # A spec names axes of its own mesh: `right`'s (an auto axis that
+    # `with_sharding_constraint` put in its type) may not be `left`'s.
+    same_mesh = (
+        getattr(getattr(right_ref, "sharding", None), "mesh", None) == sharding.mesh
+    )
+    right_spec = _padded(right_ref) if same_mesh else (None,) * right_ref.ndim
     rows, cols = left_spec[-2], right_spec[-2]
     if _axes(rows) & _axes(cols) or _axes(cols) & _axes(left_spec[:-2]):
         cols = None

@@ -27,6 +27,7 @@ import numpy as np
 import quax
 
 from .._core._inplace import as_bits, from_bits
+from .._distributed._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
 from ._projection import projected_factor, projection, test_matrix
@@ -314,7 +315,8 @@ def _backward_projected(
             take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
             old = from_bits(take(b), total.dtype)
             factor = projected_factor(in_cts[i], take(projector), old, specs[i])
-            new = as_bits(factor.astype(total.dtype))
+            layout = drop_leading(specs[i].layout, 1)
+            new = as_bits(constrain(factor.astype(total.dtype), layout))
             new_bits.append(jax.lax.dynamic_update_index_in_dim(b, new, index, 0))
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
         new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]

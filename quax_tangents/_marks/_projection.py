@@ -35,6 +35,7 @@ from .._core._inplace import as_bits, from_bits
 from .._core._registry import rule
 from .._core._unchecked import unchecked
 from .._distributed import _sharding
+from .._distributed._layout import constrain, drop_leading
 from .._types.lowrank import LowRank, within_budget
 from .._types.outer import OuterSum
 from .._types.rows import SparseRows
@@ -121,6 +122,10 @@ class Finish:
     token: int = dataclasses.field(default=0, compare=False)
     # Whether a scan over the stack may do so (`accumulate_gradients(by_layer=...)`).
     by_layer: bool = True
+    # How the running sum `S` of an `"_into"` source is laid out over a mesh (a
+    # `NamedSharding`, or None): each slice's new sum is constrained to its share,
+    # so that the partitioner reduce-scatters it rather than all-reducing.
+    layout: Any = None
 
 
 finish_p = jexc.Primitive("finish")
@@ -261,7 +266,7 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     if batch_ndim == 0:
         return fn
     if spec.source == "given_into":
-        return _into_slices(fn, batch_ndim)
+        return _into_slices(fn, batch_ndim, spec.layout)
     per_slice = (True,) * arrays + _per_slice(spec)
 
     def mapped(*args: Any) -> Any:
@@ -282,7 +287,7 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     return mapped
 
 
-def _into_slices(fn: Callable, batch_ndim: int) -> Callable:
+def _into_slices(fn: Callable, batch_ndim: int, layout: Any = None) -> Callable:
     """`fn(*arrays, projector, sum)` of a `"given_into"` finish, slice by slice in a
     loop that writes each slice's new sum over the old one (in place), so that the
     stack of sums is the only factor-sized buffer."""
@@ -297,15 +302,15 @@ def _into_slices(fn: Callable, batch_ndim: int) -> Callable:
             flat(total),
         )
         left_side: list[bool] = []
+        slice_layout = drop_leading(layout, batch_ndim)
 
         def body(i: Any, buffer: Any) -> Any:
             take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
             old = from_bits(take(buffer), total.dtype)
             out = fn(*[take(a) for a in arrays], take(projector), old)
             left_side.append(out.projector_side == "left")
-            new = as_bits(
-                (out.right if left_side[-1] else out.left).astype(total.dtype)
-            )
+            factor = out.right if left_side[-1] else out.left
+            new = as_bits(constrain(factor.astype(total.dtype), slice_layout))
             return jax.lax.dynamic_update_index_in_dim(buffer, new, i, 0)
 
         sums = jax.lax.fori_loop(0, start.shape[0], body, as_bits(start))

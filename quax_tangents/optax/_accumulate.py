@@ -26,11 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
 from .._core._inplace import as_bits, from_bits, zeros_after
 from .._core._unchecked import unchecked
+from .._distributed._layout import constrain, factor_layout
 from .._distributed._sharding import (
     column_signs,
     orthonormal_columns,
@@ -46,7 +48,7 @@ from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
-from ._mark import in_matrix_view, leaf_keys, plan_leaves
+from ._mark import flatten_as, in_matrix_view, leaf_keys, plan_leaves
 from ._projected import find_state
 
 
@@ -62,18 +64,21 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _per_matrix(fn: Any, *xs: Array, after: Any = None) -> Any:
+def _per_matrix(fn: Any, *xs: Array, after: Any = None, layouts: Any = None) -> Any:
     """`fn` of each matrix in the last two dims of `xs`, one after another, so
     that its float32 work is one matrix's size, not the stack's. The outputs are
     written slice by slice into buffers made once `xs` (and `after`, an array
     computed before) exist: XLA would otherwise make every such buffer at the start
     of the branch (see `quax_tangents._core._inplace`)."""
-    return _per_matrix_loop(fn, xs, in_place=False, after=after)
+    return _per_matrix_loop(fn, xs, in_place=False, after=after, layouts=layouts)
 
 
-def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> Any:
+def _per_matrix_loop(
+    fn: Any, xs: tuple, in_place: bool, after: Any = None, layouts: Any = None
+) -> Any:
     """`_per_matrix`; with `in_place`, the one output, of the shape and dtype of
-    `xs[0]`, is written over `xs[0]`."""
+    `xs[0]`, is written over `xs[0]`. `layouts`: per output, its sharding or None
+    (a loop's buffers are replicated unless constrained)."""
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
@@ -81,6 +86,9 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> A
     count = flat[0].shape[0]
     shapes = jax.eval_shape(fn, *[f[0] for f in flat])
     leaves, treedef = jtu.tree_flatten(shapes)
+    layouts = [None] * len(leaves) if layouts is None else list(layouts)
+    if len(batch) != 1:  # the layouts are of the stack's own dims
+        layouts = [None] * len(leaves)
     if in_place:
         assert len(leaves) == 1 and leaves[0].shape == flat[0].shape[1:]
         assert leaves[0].dtype == flat[0].dtype
@@ -90,6 +98,7 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> A
         buffers = [
             as_bits(zeros_after((count, *s.shape), s.dtype, late)) for s in leaves
         ]
+    buffers = [constrain(b, layout) for b, layout in zip(buffers, layouts)]
 
     def body(i: Any, buffers: list) -> list:
         take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
@@ -99,8 +108,13 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> A
             args = [take(f) for f in flat]
         outs = jtu.tree_leaves(fn(*args))
         return [
-            jax.lax.dynamic_update_index_in_dim(b, as_bits(o.astype(s.dtype)), i, 0)
-            for b, o, s in zip(buffers, outs, leaves)
+            constrain(
+                jax.lax.dynamic_update_index_in_dim(
+                    b, as_bits(o.astype(s.dtype)), i, 0
+                ),
+                layout,
+            )
+            for b, o, s, layout in zip(buffers, outs, leaves, layouts)
         ]
 
     buffers = jax.lax.fori_loop(0, count, body, buffers)
@@ -110,7 +124,7 @@ def _per_matrix_loop(fn: Any, xs: tuple, in_place: bool, after: Any = None) -> A
     return jtu.tree_unflatten(treedef, outs)
 
 
-def _orthonormal(x: Array, dtype: Any) -> Array:
+def _orthonormal(x: Array, dtype: Any, layout: Any = None) -> Array:
     # The range finder's own orthonormalisation, so that the sums over microbatches
     # give the projector that one full batch gives; kept in the weight's dtype, and
     # written over the sums it replaces.
@@ -118,7 +132,7 @@ def _orthonormal(x: Array, dtype: Any) -> Array:
         work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
         return orthonormal_columns(work).astype(dtype)
 
-    return _per_matrix_loop(one, (x.astype(dtype),), in_place=True)
+    return _per_matrix_loop(one, (x.astype(dtype),), in_place=True, layouts=[layout])
 
 
 def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
@@ -142,6 +156,7 @@ def _marked(
     mode: tuple | None,
     total: Any = None,
     by_layer: bool = True,
+    layout: Any = None,
 ) -> Any:
     if plan is None or leaf is None:
         return leaf
@@ -151,7 +166,14 @@ def _marked(
     kind, matrix = mode[:2]
     if kind == "given" and total is not None:
         # The mark adds this microbatch's factor to the running sum in place.
-        spec = Finish("projected", matrix.shape[-1], 0, "given_into", by_layer=by_layer)
+        spec = Finish(
+            "projected",
+            matrix.shape[-1],
+            0,
+            "given_into",
+            by_layer=by_layer,
+            layout=layout,
+        )
         operands = (matrix.astype(leaf.dtype), total)
     elif kind == "given":
         width = matrix.shape[-1]
@@ -164,7 +186,14 @@ def _marked(
         # by slice, when the model scans over the stack).
         source = "sketch_key_into"
         spec = Finish(
-            "projected", plan.rank, 0, source, mode[2], _OVERSAMPLE, by_layer=by_layer
+            "projected",
+            plan.rank,
+            0,
+            source,
+            mode[2],
+            _OVERSAMPLE,
+            by_layer=by_layer,
+            layout=layout,
         )
         operands = (matrix, total)
     elif kind == "sketch_key":
@@ -212,8 +241,11 @@ def _pass(
     modes: list,
     has_aux: bool,
     by_layer: bool,
+    shardings: list,
 ) -> tuple[Array, Any, list]:
-    """(mean loss, stacked aux, mean contributions per leaf) over the microbatches."""
+    """(mean loss, stacked aux, mean contributions per leaf) over the microbatches.
+    `shardings`: per leaf, the weight's `NamedSharding` or None; each running sum is
+    laid out like its weight (see `quax_tangents._distributed._layout`)."""
     paths = [
         jtu.keystr(p)
         for p, _ in jtu.tree_flatten_with_path(
@@ -221,11 +253,15 @@ def _pass(
         )[0]
     ]
 
+    def layout(i: int, x: Any) -> Any:
+        sketch = modes[i] is not None and modes[i][0] in ("sketch", "sketch_key")
+        return _layout(shardings[i], plans[i], x, sketch)
+
     def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
         marked = [
-            _marked(x, p, m, t, by_layer)
-            for x, p, m, t in zip(leaves, plans, modes, totals)
+            _marked(x, p, m, t, by_layer, layout(i, t))
+            for i, (x, p, m, t) in enumerate(zip(leaves, plans, modes, totals))
         ]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
@@ -246,6 +282,7 @@ def _pass(
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
+
     # Projections with a given projector, and sketches with drawn test matrices, add
     # into the sum themselves.
     into = [
@@ -261,8 +298,10 @@ def _pass(
         totals = [s if i else None for s, i in zip(sums, into)]
         loss, aux, parts = one(batch, totals)
         sums = [
-            (x if i else s + x if add else None) if x is not None else None
-            for s, x, add, i in zip(sums, parts, summed, into)
+            constrain(x if i else s + x, layout(k, x))
+            if x is not None and (add or i)
+            else None
+            for k, (s, x, add, i) in enumerate(zip(sums, parts, summed, into))
         ]
         rows = [None if add else x for x, add in zip(parts, summed)]
         return (loss_sum + loss, sums), (aux, rows)
@@ -270,19 +309,38 @@ def _pass(
     # Made once this pass's projectors exist, not at the start of every pass.
     after = [m[1] for m in modes if m is not None and _is_float(m[1])]
     zeros = [
-        zeros_after(s.shape, s.dtype, after[0] if after else None)
+        constrain(
+            zeros_after(s.shape, s.dtype, after[0] if after else None), layout(k, s)
+        )
         if add and s is not None
         else None
-        for s, add in zip(shapes[2], summed)
+        for k, (s, add) in enumerate(zip(shapes[2], summed))
     ]
     init = (jnp.zeros(shapes[0].shape, shapes[0].dtype), zeros)
     (loss_sum, sums), (aux, rows) = jax.lax.scan(body, init, microbatches)
     k = jtu.tree_leaves(microbatches)[0].shape[0]
     means = [
-        (s / k).astype(s.dtype) if add and s is not None else _rows_mean(r, k)
-        for s, r, add in zip(sums, rows, summed)
+        constrain((s / k).astype(s.dtype), layout(i, s))
+        if add and s is not None
+        else _rows_mean(r, k)
+        for i, (s, r, add) in enumerate(zip(sums, rows, summed))
     ]
     return loss_sum / k, aux, means
+
+
+def _layout(sharding: Any, plan: LeafPlan | None, x: Any, projector_side: bool) -> Any:
+    """The layout of a running sum, basis or projector `x` of a weight laid out by
+    `sharding`: the sharding itself for a dense sum; for a factor of a projected
+    weight, one spread over the same mesh axes. `projector_side`: whether `x` spans
+    the projector's side of the matrices (a sketch, a basis, a projector) rather
+    than the other (a factor `G^T P`). None leaves it to XLA."""
+    if x is None or sharding is None:
+        return None
+    if plan is None or plan.kind != "project":
+        return sharding
+    on_rows = (plan.side == "left") == projector_side
+    side = -2 if on_rows else -1
+    return factor_layout(sharding, len(plan.matrix_shape), side, tuple(x.shape))
 
 
 def _is_float(x: Any) -> bool:
@@ -304,6 +362,30 @@ def _rows_mean(stacked: Any, k: int) -> Any:
 
 # ---------------------------------------------------------------------------------------
 # Steady and refresh steps
+
+
+def _leaf_shardings(shardings: Any, treedef: Any, plans: list) -> list:
+    """Per leaf, its `NamedSharding` from `accumulate_gradients(shardings=...)`, or
+    None (no sharding given, or a leaf seen through another matrix view)."""
+    if shardings is None:
+        return [None] * len(plans)
+    flat = flatten_as(
+        treedef,
+        shardings,
+        f"{_WHERE}: `shardings` must have the structure of `params` (the tree "
+        "given to `jax.jit`'s `in_shardings`)",
+    )
+    for s in flat:
+        if s is not None and not isinstance(s, NamedSharding):
+            raise TypeError(
+                f"{_WHERE}: each leaf of `shardings` must be a "
+                f"`jax.sharding.NamedSharding` or None, got {type(s).__name__}; "
+                "build them with `NamedSharding(mesh, PartitionSpec(...))`."
+            )
+    return [
+        None if p is not None and p.kind == "project" and p.is_view else s
+        for s, p in zip(flat, plans)
+    ]
 
 
 def _low_rank(plan: LeafPlan, projector: Array, factor: Array, dtype: Any) -> LowRank:
@@ -330,6 +412,7 @@ def accumulate_gradients(
     iters: int = 0,
     has_aux: bool = False,
     by_layer: bool = True,
+    shardings: PyTree | None = None,
 ) -> tuple[Any, PyTree]:
     """The loss and gradient of a batch split into `k` microbatches, inside one step,
     in the form [`quax_tangents.optax.projected`][] takes: a `lax.scan` over the
@@ -375,6 +458,15 @@ def accumulate_gradients(
         factors are alive at a time. It needs the stack to be used in exactly one
         scan and nowhere else (a `ValueError` says so otherwise); `False` keeps
         every layer's factors until the scan ends, for any use, with the same result.
+    - `shardings`: under `jax.jit` with sharded parameters (FSDP), the parameters'
+        `jax.sharding.NamedSharding`s, with the structure of `params` (a leaf may be
+        `None`): the same tree one gives `jax.jit`'s `in_shardings`. Each running sum
+        (and a refresh step's bases and new projectors) is then laid out like its
+        weight, dim for dim, the rank dim sharded when the weight's mesh axis
+        divides it, so that each device holds its share and each microbatch's
+        factors are reduce-scattered into it, not all-reduced into a copy on every
+        device. `None` (the default) leaves their layout to XLA, which replicates
+        them. A leaf that `dims=` views as other matrices is left to XLA.
 
     **Returns:**
 
@@ -389,6 +481,7 @@ def accumulate_gradients(
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     inner = find_state(state, _WHERE)
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)
+    layouts = _leaf_shardings(shardings, treedef, plans)
     if not jtu.tree_leaves(microbatches):
         raise ValueError(f"{_WHERE}: `microbatches` has no arrays.")
     projected = [
@@ -400,7 +493,15 @@ def accumulate_gradients(
 
     def run(modes: list) -> tuple[Array, Any, list]:
         return _pass(
-            loss_fn, params, microbatches, plans, treedef, modes, has_aux, by_layer
+            loss_fn,
+            params,
+            microbatches,
+            plans,
+            treedef,
+            modes,
+            has_aux,
+            by_layer,
+            layouts,
         )
 
     def given(matrices: list) -> list:
@@ -421,9 +522,14 @@ def accumulate_gradients(
             for i in range(len(plans))
         ]
 
-        def orthonormal(parts: list) -> list:  # the projected leaves' parts only
+        def orthonormal(parts: list, projector_side: bool = True) -> list:
+            # The projected leaves' parts only, laid out as the sums they replace.
             return [
-                _orthonormal(x, leaves[i].dtype) if i in key_of else None
+                _orthonormal(
+                    x, leaves[i].dtype, _layout(layouts[i], plans[i], x, projector_side)
+                )
+                if i in key_of
+                else None
                 for i, x in enumerate(parts)
             ]
 
@@ -432,7 +538,7 @@ def accumulate_gradients(
 
         bases = orthonormal(run(first)[2])
         for _ in range(iters):
-            tests = orthonormal(run(given(bases))[2])
+            tests = orthonormal(run(given(bases))[2], projector_side=False)
             bases = orthonormal(run(sketch(tests))[2])
         loss, aux, products = run(given(bases))
         matrices, factors = [], []
@@ -443,9 +549,16 @@ def accumulate_gradients(
                 factors.append(b)
                 continue
             truncate = functools.partial(_truncate, rank=plans[i].rank)
-            p, f = _per_matrix(truncate, q, b, after=done)
-            matrices.append(p)
-            factors.append(f)
+            rank = (plans[i].rank,)
+            p_shape = jax.ShapeDtypeStruct(q.shape[:-1] + rank, q.dtype)
+            f_shape = jax.ShapeDtypeStruct(b.shape[:-1] + rank, b.dtype)
+            out_layouts = [
+                _layout(layouts[i], plans[i], p_shape, True),
+                _layout(layouts[i], plans[i], f_shape, False),
+            ]
+            p, f = _per_matrix(truncate, q, b, after=done, layouts=out_layouts)
+            matrices.append(constrain(p, out_layouts[0]))
+            factors.append(constrain(f, out_layouts[1]))
             done = f
         return loss, aux, _finish(plans, leaves, matrices, factors)
 

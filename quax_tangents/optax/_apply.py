@@ -3,6 +3,7 @@ transformations that only take arrays, and the check behind their errors."""
 
 from typing import Any
 
+import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
@@ -10,6 +11,7 @@ from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
+from .._core._inplace import as_bits, from_bits
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 
@@ -123,9 +125,25 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
     The updated parameters, with the structure of `params`.
     """
-    return jtu.tree_map(
-        _apply_leaf, params, updates, is_leaf=lambda x: x is None or is_compressed(x)
-    )
+    flat_params, treedef = jtu.tree_flatten(params, is_leaf=lambda x: x is None)
+    flat_updates = treedef.flatten_up_to(updates)
+    new, previous = [], None
+    for param, update in zip(flat_params, flat_updates):
+        if isinstance(update, LowRank) and previous is not None:
+            update = _after(update, previous)
+        new.append(_apply_leaf(param, update))
+        if isinstance(update, LowRank):
+            previous = new[-1]
+    return jtu.tree_unflatten(treedef, new)
+
+
+def _after(update: LowRank, previous: Array) -> LowRank:
+    """`update`, whose factors XLA cannot read before `previous` (the last low-rank
+    leaf's new value) exists: so that one leaf's float32 factors (under FSDP, its
+    gathered projector) are alive at a time, not every leaf's at once."""
+    left = from_bits(as_bits(update.left, after=previous), update.left.dtype)
+    right = from_bits(as_bits(update.right, after=previous), update.right.dtype)
+    return eqx.tree_at(lambda u: (u.left, u.right), update, (left, right))
 
 
 # ---------------------------------------------------------------------------------------

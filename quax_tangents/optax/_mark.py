@@ -26,19 +26,27 @@ def leaf_keys(key: PRNGKeyArray | None, state: ProjectedState, count: int) -> An
     return jax.random.split(key, max(count, 1))
 
 
+def flatten_as(treedef: Any, tree: PyTree, message: str) -> list:
+    """`tree`'s leaves down to `treedef`'s, or a `ValueError` that starts with
+    `message`."""
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{message}: {error}") from error
+
+
 def plan_leaves(state: ProjectedState, params: PyTree, where: str):
     """(plans, param leaves, projectors, treedef), aligned: one entry per leaf of
     the parameters that `state` was initialised with."""
     if state.plan is None:
         raise ValueError(f"{where}: the state has no plan; initialise it again.")
     plans, treedef = jtu.tree_flatten(state.plan, is_leaf=_is_plan_leaf)
-    try:
-        leaves = treedef.flatten_up_to(params)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"{where}: `params` must have the structure of the parameters the "
-            f"optimiser state was initialised with: {error}"
-        ) from error
+    leaves = flatten_as(
+        treedef,
+        params,
+        f"{where}: `params` must have the structure of the parameters the "
+        "optimiser state was initialised with",
+    )
     projectors = treedef.flatten_up_to(state.projector)
     return plans, leaves, projectors, treedef
 
