@@ -395,28 +395,10 @@ def _check_zero_matches(x: CompressedArray, zero: Zero) -> None:
 
 # A symbolic zero adds nothing. JAX's own symbolic zeros never reach a primitive; quax's
 # `Zero` does, and `add_any` is how JAX accumulates tangents and cotangents.
-@rule(add_any_p)
-def _add_any_zero_right(x: CompressedArray, y: Zero) -> CompressedArray:
+@rule(add_any_p, jax.lax.add_p, commutative=True)
+def _add_zero(x: CompressedArray, y: Zero) -> CompressedArray:
     _check_zero_matches(x, y)
     return x
-
-
-@rule(add_any_p)
-def _add_any_zero_left(x: Zero, y: CompressedArray) -> CompressedArray:
-    _check_zero_matches(y, x)
-    return y
-
-
-@rule(jax.lax.add_p)
-def _add_zero_right(x: CompressedArray, y: Zero) -> CompressedArray:
-    _check_zero_matches(x, y)
-    return x
-
-
-@rule(jax.lax.add_p)
-def _add_zero_left(x: Zero, y: CompressedArray) -> CompressedArray:
-    _check_zero_matches(y, x)
-    return y
 
 
 @rule(jax.lax.sub_p)

@@ -282,7 +282,6 @@ def _pass(
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
-
     # Projections with a given projector, and sketches with drawn test matrices, add
     # into the sum themselves.
     into = [

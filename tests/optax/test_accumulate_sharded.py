@@ -166,6 +166,12 @@ def test_sharded_sums_give_the_unsharded_result_laid_out_like_the_weights(by_lay
         in_shardings=(shardings, None, batch),
     )
     plain = jax.jit(step)
+
+    @jax.jit
+    def update(grads, state, params):  # one program, not one per operation
+        updates, state = tx.update(grads, state)
+        return qto.apply_updates(params, updates), state
+
     for _ in range(2):  # refresh, keep
         microbatches = tuple(
             jnp.asarray(rng.standard_normal((2, 16, d)), jnp.float32) for d in (16, 8)
@@ -183,8 +189,7 @@ def test_sharded_sums_give_the_unsharded_result_laid_out_like_the_weights(by_lay
         assert laid_out(got["up"].right, P(None, "data", None))
         assert laid_out(got["down"].left, P(None, "data", None))
         assert laid_out(got["head"], P("data", None))
-        updates, state = tx.update(got, state)
-        params = qto.apply_updates(params, updates)
+        params, state = update(got, state, params)
 
 
 @needs_devices
