@@ -261,7 +261,8 @@ class Estimate:
         logits and their gradient.
     - `devices`, `received`: for a sharded step, the device count and the bytes one
         device receives per step (collectives inside loops counted once per
-        iteration); 1 and 0 otherwise.
+        iteration), counting a refresh of the projectors on every step; 1 and 0
+        otherwise. `received_keep`: the same on a step that keeps the projectors.
     """
 
     model: str
@@ -279,6 +280,7 @@ class Estimate:
     compile_s: float
     devices: int = 1
     received: float = 0.0
+    received_keep: float = 0.0
 
     @property
     def total(self) -> int:
@@ -295,9 +297,10 @@ def _abstract_inputs(
 
 
 def _gradient_bytes(config, arm, params, state, tokens) -> tuple[int, int]:
-    """One microbatch's gradient bytes, and those of the accumulator: the same, but
-    for the projected arms only the dense leaves' (the projected factors are added
-    into their sum in place, one buffer)."""
+    """One microbatch's gradient bytes (for the projected arms, the factors other
+    than the projector, and the dense leaves), and those of the accumulator: the
+    same, but for the projected arms only the dense leaves' (the projected factors
+    are added into their sum in place, one buffer)."""
 
     def grads(params, state, tokens):
         one = tokens[:1]
@@ -309,11 +312,16 @@ def _gradient_bytes(config, arm, params, state, tokens) -> tuple[int, int]:
 
     with qt.fallback("silent"):
         shapes = jax.eval_shape(grads, params, state, tokens)
-    dense = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, qt.LowRank))
-    dense = [x for x in dense if not isinstance(x, qt.LowRank)]
-    return _bytes(shapes), (
-        _bytes(dense) if arm.startswith("projected") else _bytes(shapes)
-    )
+    leaves = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, qt.LowRank))
+    dense = [x for x in leaves if not isinstance(x, qt.LowRank)]
+    # A projected gradient's projector is the state's own array, counted there.
+    projectors = [
+        x.left if x.projector_side == "left" else x.right
+        for x in leaves
+        if isinstance(x, qt.LowRank)
+    ]
+    one = _bytes(shapes) - _bytes(projectors)
+    return one, (_bytes(dense) if arm.startswith("projected") else one)
 
 
 def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
@@ -404,10 +412,17 @@ def estimate(
         config.layers * batch * seq * config.hidden * 2  # block inputs, bf16
         + 2 * batch * seq * config.vocab * 4  # f32 logits and their gradient
     )
-    received = 0.0
+    received = received_keep = 0.0
     if devices > 1:
-        # Each collective's count is the product of its loops' trip counts.
-        received = sum(qt.received_bytes(c, devices) for c in qt.collectives(compiled))
+        # Each collective's count is the product of its loops' trip counts; the
+        # projected step's refresh, a loop of zero or one trips, runs once or not.
+        received, received_keep = (
+            sum(
+                qt.received_bytes(c, devices)
+                for c in qt.collectives(compiled, unknown_trips=trips)
+            )
+            for trips in (1, 0)
+        )
     return Estimate(
         config.name,
         arm,
@@ -424,15 +439,17 @@ def estimate(
         elapsed,
         devices,
         received,
+        received_keep,
     )
 
 
 def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
     """A projected arm's step in three compiled pieces, each its `temp` bytes (the
-    buffers XLA adds beyond inputs and outputs): `gradients` (`qto.accumulate_gradients`
-    over the microbatches), `update` (the transformation's `update`, its state
-    donated) and `update_apply` (`update` then `qto.apply_updates`, state and
-    parameters donated). It attributes the step's total to its parts."""
+    buffers XLA adds beyond inputs and outputs): `gradients`
+    (`qto.accumulate_gradients` over the microbatches, the state donated), `update`
+    (the transformation's `update`, its state donated) and `update_apply` (`update`
+    then `qto.apply_updates`, state and parameters donated). It attributes the
+    step's total to its parts."""
     params, state, tokens = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
     tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config)
@@ -449,7 +466,9 @@ def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
 
     grads = jax.eval_shape(gradients, params, state, tokens)[1]
     pieces = {
-        "gradients": (gradients, (params, state, tokens), ()),
+        # The state is donated as in the step: a refresh writes the new projectors
+        # over the old ones.
+        "gradients": (gradients, (params, state, tokens), (1,)),
         "update": (update, (grads, state, params), (1,)),
         "update_apply": (update_apply, (grads, state, params), (1, 2)),
     }
@@ -596,6 +615,10 @@ HAND_WRITTEN_TOTALS = {"1B": 6.96, "7B": 31.59}
 # layer's gradient as it is made and before the loops' buffers were made when their
 # inputs exist (commit 6f9d664, `--one MODEL projected-8bit`), in GiB.
 BEFORE_LAYER_BY_LAYER = {"1B": 8.13, "7B": 37.02}
+# And before the refresh wrote the new projectors over the old ones in place and
+# `layerwise` passed the gradient's projector through as the new state (commit
+# 58ab57c, `--one MODEL projected-8bit`), in GiB.
+BEFORE_IN_PLACE_PROJECTORS = {"1B": 5.60, "7B": 26.31}
 
 
 def mark_factor_bytes(config: LlamaConfig) -> int:
@@ -608,15 +631,18 @@ def mark_factor_bytes(config: LlamaConfig) -> int:
     return 2 * tokens * sides * config.layers
 
 
-def refresh_bytes(config: LlamaConfig) -> tuple[int, int]:
-    """Bytes of a refresh step's last pass, from shapes, in bfloat16: the range
-    finder's orthonormal bases (`rank + 4` wide on each matrix's smaller side) and
-    the sums of the microbatches' products with them (on the larger side)."""
-    width = config.rank + 4
+def peak_bytes(config: LlamaConfig) -> dict[str, int]:
+    """Bytes, from shapes, of what the projected step holds at its peak beyond its
+    arguments (in its last pass over the microbatches): the running sums of the
+    factors, in bfloat16, and what XLA on CPU keeps in float32 for bfloat16 matmuls
+    and scatters: one layer's block weights, the head, and the embedding
+    gradient's scatter target."""
     shapes = [matrix_shape(config, name) for name in MATRICES]
-    bases = sum(2 * config.layers * min(s) * width for s in shapes)
-    sums = sum(2 * config.layers * max(s) * width for s in shapes)
-    return bases, sums
+    return {
+        "sums": sum(2 * config.layers * max(s) * config.rank for s in shapes),
+        "layer": sum(4 * s[0] * s[1] for s in shapes),
+        "table": 4 * config.vocab * config.hidden,
+    }
 
 
 def _parts_line(model: str, r: Estimate, parts: dict) -> str:
@@ -640,7 +666,7 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
     eight = _find(results, "7B", "adam-8bit")
     config = MODELS["7B"]
     floor = r.weights + r.state + r.gradients + r.activations
-    bases, sums = refresh_bytes(config)
+    peak = peak_bytes(config)
     then = ", ".join(
         f"{m} {BEFORE_TOTALS[m]:.2f} GiB, now {_gib(_find(results, m, r.arm).total)}"
         for m in ("1B", "7B")
@@ -649,6 +675,11 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
     hand = ", ".join(f"{m} {v:.2f} GiB" for m, v in HAND_WRITTEN_TOTALS.items())
     layer_by_layer = ", ".join(
         f"{m} {BEFORE_LAYER_BY_LAYER[m]:.2f} GiB" for m in ("1B", "7B") if m in models
+    )
+    in_place = ", ".join(
+        f"{m} {BEFORE_IN_PLACE_PROJECTORS[m]:.2f} GiB"
+        for m in ("1B", "7B")
+        if m in models
     )
     lines = [
         "- **The library's path.** `qto.layerwise` runs the 8-bit transformation one "
@@ -660,32 +691,36 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         "made and writes it over that layer's slice of the sum (and so for the "
         "sketches of a refresh step's first pass), so that one layer's factors are "
         "alive at a time, not every layer's; it draws each layer's test matrix "
-        "inside the pass on refresh steps; and the loops of a refresh step "
-        "and of `layerwise` make their buffers when their inputs exist (XLA on CPU "
-        "otherwise made every loop's output at the start of the branch and held it "
-        "through every pass before). Projected-8bit totals before `layerwise` and "
-        f"the in-place sums: {then}; before the layer-by-layer projection and the "
-        f"late buffers: {layer_by_layer}. An earlier hand-written step reached "
-        f"{hand}.",
+        "inside the pass on refresh steps; a refresh step (a `lax.while_loop` "
+        "of zero or one trips) writes the new projectors over the old ones in "
+        "place, the range finder's basis too, and `layerwise` returns the "
+        "gradient's projector as the new state rather than carrying the old one "
+        "through its loop; and the loops of a refresh step and of `layerwise` make "
+        "their buffers when their inputs exist (XLA on CPU otherwise made every "
+        "loop's output at the start of the step and held it through every pass "
+        "before). Projected-8bit totals before `layerwise` and the in-place sums: "
+        f"{then}; before the layer-by-layer projection and the late buffers: "
+        f"{layer_by_layer}; before the in-place projectors (when the refresh was a "
+        "`lax.cond`, whose kept branch copied every projector into its output, "
+        "and whose refresh branch held the basis beside the old projectors): "
+        f"{in_place}. An earlier hand-written step reached {hand}.",
     ]
     for model, parts in sorted(extra.get("parts", {}).items()):
         if model in models:
             lines.append(_parts_line(model, _find(results, model, r.arm), parts))
     return lines + [
         "- **Where the temp bytes go at 7B** (read from XLA's buffer assignment, "
-        "`--xla_dump_to`, of the step): the peak is in the last pass of a refresh "
-        "step (the `lax.cond`'s other branch), which holds the range finder's "
-        f"orthonormal bases ({_gib(bases)} GiB, from shapes) and the sums of the "
-        f"microbatches' products with them ({_gib(sums)} GiB), both `rank + 4` "
-        "wide, where a step that keeps the projectors holds only the sums of its "
-        "factors; float32 copies of the embedding and the head that XLA on CPU "
-        "makes for bfloat16 matmuls and scatters (each "
-        f"{_gib(4 * config.vocab * config.hidden)} GiB; a GPU computes these in "
-        "bfloat16); the dense gradients of the embedding and the head, twice (one "
-        "microbatch's and the sum); and float32 copies of one layer's weights for "
-        "its matmuls. Before the layer-by-layer projection, each block matrix's "
-        "input and output cotangent for every token of every layer were kept from "
-        "the backward scan until the projection "
+        "`--xla_dump_to`, of the step): the peak is in the step's last pass over "
+        "the microbatches (the one that gives the factors; a refresh step's "
+        "passes before it hold no more, its basis's first `rank` columns sitting "
+        "in the old projectors' buffers), which holds the running sums of the "
+        f"factors ({_gib(peak['sums'])} GiB, from shapes) and the float32 copies "
+        "that XLA on CPU makes for bfloat16 matmuls and scatters: one layer's "
+        f"block weights ({_gib(peak['layer'])} GiB), the head and the embedding "
+        f"gradient's scatter target (each {_gib(peak['table'])} GiB); a GPU "
+        "computes these in bfloat16. Before the layer-by-layer projection, each "
+        "block matrix's input and output cotangent for every token of every layer "
+        "were kept from the backward scan until the projection "
         f"({_gib(mark_factor_bytes(config))} GiB per microbatch, from shapes).",
         "- **The floor.** Weights, 8-bit state, one copy of the gradients and the "
         f"saved activations come to {_gib(floor)} GiB at 7B, "
@@ -694,7 +729,7 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         f"{_gib(0.45 * adam.total - floor)} GiB for everything else, and 24 GiB "
         f"leaves {_gib(24 * GIB - floor)} GiB: the bfloat16 weights and the 8-bit state "
         f"alone are {_gib(r.weights + r.state)} GiB, the gradients (factors, "
-        f"projectors and the dense embedding and head) {_gib(r.gradients)} GiB.",
+        f"and the dense embedding and head) {_gib(r.gradients)} GiB.",
         "- **8-bit Adam on dense gradients** (`adam-8bit`, `qto.layerwise` around "
         f"`qto.quantized_state(optax.adam)`): {_gib(eight.total)} GiB at 7B, "
         f"{eight.total / adam.total:.3f}x of BF16 Adam's; its state is half, and "
@@ -712,11 +747,19 @@ def _fsdp_ratio(results: list[Estimate], model: str) -> float | None:
     return arms["projected-8bit"] / arms["adam"]
 
 
+def unsharded_part(single: float, per_device: float, devices: int) -> float:
+    """The part `F` of a step's bytes that does not shrink with the devices, from
+    `per_device = F + (single - F) / devices`: what every device holds whole (the
+    weights it gathers for a layer's matmuls, activations) rather than its share."""
+    return (per_device - single / devices) / (1 - 1 / devices)
+
+
 def fsdp_table(results: list[Estimate]) -> list[str]:
     lines = [
         "| model | arm | devices | total per device GiB | ÷ adam's | falls by | "
-        "received per device per step GiB | compile s |",
-        "|---|---|---|---|---|---|---|---|",
+        "held whole per device GiB | received per device, step that keeps the "
+        "projectors GiB | received per device, refresh step GiB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.devices == 1:
@@ -725,11 +768,14 @@ def fsdp_table(results: list[Estimate]) -> list[str]:
         single = [
             x for x in results if (x.model, x.arm, x.devices) == (r.model, r.arm, 1)
         ]
-        falls = f"{single[0].total / r.total:.1f}x" if single else "n/a"
+        falls = whole = "n/a"
+        if single:
+            falls = f"{single[0].total / r.total:.1f}x"
+            whole = _gib(unsharded_part(single[0].total, r.total, r.devices))
         lines.append(
             f"| {r.model} | {r.arm} | {r.devices} | {_gib(r.total)} "
-            f"| {r.total / adam.total:.3f} | {falls} | {_gib(r.received)} "
-            f"| {r.compile_s:.0f} |"
+            f"| {r.total / adam.total:.3f} | {falls} | {whole} "
+            f"| {_gib(r.received_keep)} | {_gib(r.received)} | {r.compile_s:.0f} |"
         )
     return lines
 
@@ -868,8 +914,9 @@ def report(
         "*Total* is argument + output − alias + temp: every buffer the step holds. "
         "Weights, optimiser state, gradients and activations are computed from "
         "shapes: *gradients* is one microbatch's (for the projected arms the "
-        "`LowRank` factors, projector included, and the dense gradients of the "
-        "embedding, norms and head), *accumulator* the same again (for the projected "
+        "`LowRank` factors other than the projector, which is the optimiser "
+        "state's own array, and the dense gradients of the embedding, norms and "
+        "head), *accumulator* the same again (for the projected "
         "arms the dense leaves' only: their factors are added up in place), *activations* the "
         "block inputs the remat'd scan saves plus the float32 logits and their "
         "gradient. *Rest of temp* is temp minus those three: the optimiser's "
@@ -923,18 +970,23 @@ def report(
                 for m in FSDP_MODELS
                 if _fsdp_ratio(results, m) is not None
             )
-            + ". *Falls by* is the one-device total over the per-device total: "
-            f"{FSDP_DEVICES} would be perfect. The projected arm falls less than "
-            "Adam's because part of what it holds does not shrink with the devices: "
-            "XLA on CPU all-reduces each layer's factors whole before keeping the "
-            "device's share (neither arm's compiled step has a reduce-scatter), and "
-            "the 1B model's MLP dim, 5461, is odd, so the refresh step's "
-            "`rank + 4`-wide sums of its MLP matrices are sharded unevenly or not "
-            "at all. Received bytes count both branches of the step's `lax.cond` "
-            "(keep and refresh) as running every step, an upper bound for the "
-            "projected arm, whose refresh branch makes two passes over the "
-            "microbatches where the other makes one; they are also all-reduces of "
-            "whole factors where a GPU's compiler would reduce-scatter.",
+            + ". *Falls by* is the one-device total over the per-device total "
+            f"({FSDP_DEVICES} would be perfect), and *held whole per device* the "
+            "part `F` that does not shrink with the devices, from `per device = F + "
+            f"(one device - F) / {FSDP_DEVICES}`: both arms hold about the same `F` "
+            "(each layer's weights gathered for its matmuls, the head gathered and "
+            "its float32 copy on CPU, the activations), and the rest of each falls "
+            f"{FSDP_DEVICES}-fold; the projected arm's *falls by* is the smaller "
+            "because its total is, not because more of it is held whole. XLA on CPU "
+            "all-reduces each layer's factors whole before keeping the device's "
+            "share (neither arm's compiled step has a reduce-scatter). Received "
+            "bytes are read from the compiled HLO with the refresh loop (zero or "
+            "one trips) counted as not run (`qt.collectives(..., unknown_trips=0)`, "
+            "a step that keeps the projectors, 199 steps in 200 here) and as run "
+            "(`unknown_trips=1`: the refresh makes three passes over the "
+            "microbatches before the step's own); Adam's step has no such loop. "
+            "They are all-reduces of whole factors where a GPU's compiler would "
+            "reduce-scatter.",
             "",
         ]
     return "\n".join(lines)

@@ -1,9 +1,13 @@
 """Writing slices of a stacked array inside a loop, in place.
 
 XLA on CPU computes bfloat16 slicing in float32, and so copies a whole bfloat16
-array to update one slice of it inside a loop; it updates a `uint16` array in place.
-A bitcast costs nothing on any backend, so loops that write slices carry bfloat16
-arrays as their bits.
+array to add into one slice of it inside a loop (a slice read, changed and written
+back); it updates a `uint16` array in place. Loops that add into slices (the
+running sums of factors, `layerwise`'s state) carry bfloat16 arrays as their bits.
+A loop that writes each slice from a product of the slice (the refresh's
+orthonormalisation, `quax_tangents.optax._accumulate`) needs no bits: XLA on CPU
+updates that bfloat16 array in place, and the bitcast back would itself be a copy
+on CPU, where it is free on other backends.
 
 The buffer such a loop starts from (zeros, or a copy of an input) depends on nothing
 computed, so XLA may make it at the start of the program and hold it through
@@ -46,10 +50,16 @@ def _never(after: Any) -> Any:
     # The first element read through its bits: slicing a bfloat16 array on CPU
     # converts the whole array to float32 first. A corner, not `ravel(...)[0]`: the
     # partitioner gathers a sharded array whole to flatten it.
-    bits = as_bits(after)
-    corner = lax.slice(bits, (0,) * bits.ndim, (1,) * bits.ndim)
-    x = from_bits(jnp.reshape(corner, ()), after.dtype)
+    x = corner(after)
     return jnp.logical_and(x != x, x == x)
+
+
+def corner(x: Any) -> Any:
+    """The first element of `x`, as a scalar: read through its bits and as a corner
+    (see `_never`), so that it costs one element on any backend."""
+    bits = as_bits(x)
+    first = lax.slice(bits, (0,) * bits.ndim, (1,) * bits.ndim)
+    return from_bits(jnp.reshape(first, ()), x.dtype)
 
 
 def _zero_after(after: Any, dtype: Any) -> Any:

@@ -1,6 +1,7 @@
 """A reader of the bytes that a compiled program's collectives move, from its HLO."""
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -116,12 +117,16 @@ def _strip_layout(shape: str) -> str:
     return re.sub(r"\{[^}]*\}", "", shape)
 
 
-def collectives_in_hlo(hlo: str) -> list[Collective]:
+def collectives_in_hlo(
+    hlo: str, *, unknown_trips: int | None = None
+) -> list[Collective]:
     """Every collective instruction of an HLO module's text (`compiled.as_text()`),
     in order, with its operands' shapes looked up from their definitions.
 
     An instruction inside a loop body is listed once, with the number of times it
-    runs per call of the module as its `count` (see [`quax_tangents.Collective`][]).
+    runs per call of the module as its `count` (see [`quax_tangents.Collective`][]);
+    a loop whose trip count XLA does not know counts as `unknown_trips` trips, or
+    makes the count `None`.
     """
     shapes: dict[str, str] = {}
     calls: list[tuple[str, str, str, str | None]] = []
@@ -143,7 +148,7 @@ def collectives_in_hlo(hlo: str) -> list[Collective]:
         kind = opcode.removesuffix("-start")
         if kind in _COLLECTIVES and "(" in call:
             calls.append((kind, name, call, computation))
-    counts = computation_counts(hlo)
+    counts = computation_counts(hlo, unknown_trips)
     found = []
     for kind, name, call, where in calls:
         operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
@@ -167,14 +172,15 @@ def _computation_header(line: str) -> tuple[bool, str] | None:
     return bool(match.group(1)), match.group(2)
 
 
-def _callees(line: str) -> list[tuple[str, int | None]]:
+def _callees(line: str, unknown_trips: int | None) -> list[tuple[str, int | None]]:
     """The computations an instruction line calls, each with how many times it runs
-    per run of the instruction (`None`: a loop whose trip count XLA does not know)."""
+    per run of the instruction (`unknown_trips` for a loop whose trip count XLA does
+    not know)."""
     match = _INSTRUCTION.match(line)
     call = _split_shape(match.group(2).strip())[1] if match else ""
     if call.startswith("while("):
         trip = _TRIP_COUNT.search(line)
-        trips = int(trip.group(1)) if trip else None
+        trips = int(trip.group(1)) if trip else unknown_trips
         return [(str(name), trips) for _, name in _WHILE_PARTS.findall(line)]
     found: list[tuple[str, int | None]] = [(n, 1) for n in _CALLEE.findall(line)]
     for names in _CALLEE_LIST.findall(line):
@@ -182,11 +188,14 @@ def _callees(line: str) -> list[tuple[str, int | None]]:
     return found
 
 
-def computation_counts(hlo: str) -> dict[str, int | None]:
+def computation_counts(
+    hlo: str, unknown_trips: int | None = None
+) -> dict[str, int | None]:
     """How many times each computation of an HLO module runs per call of its entry
     computation: the sum over its call sites of the caller's count times the trip
-    count of the loop that calls it (`1` for other calls). `None` where a loop on
-    the way has no known trip count. Empty if the text has no `ENTRY` computation."""
+    count of the loop that calls it (`1` for other calls). A loop with no known trip
+    count counts `unknown_trips` times, or makes the counts below it `None`. Empty
+    if the text has no `ENTRY` computation."""
     edges: dict[str, list[tuple[str, int | None]]] = {}
     entry = current = None
     for line in hlo.splitlines():
@@ -197,7 +206,7 @@ def computation_counts(hlo: str) -> dict[str, int | None]:
             edges[current] = []
             entry = current if is_entry else entry
         elif current is not None and _INSTRUCTION.match(line):
-            edges[current] += _callees(line)
+            edges[current] += _callees(line, unknown_trips)
     if entry is None:
         return {}
     order: list[str] = []  # Callers before callees: reversed depth-first post-order.
@@ -223,7 +232,12 @@ def computation_counts(hlo: str) -> dict[str, int | None]:
     return counts
 
 
-def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Collective]:
+def collectives(
+    fn: Callable[..., Any],
+    *args: Any,
+    unknown_trips: int | None = None,
+    **kwargs: Any,
+) -> list[Collective]:
     """Lowers and compiles `fn(*args, **kwargs)` and lists its collectives with the
     bytes of their operands, read from the compiled HLO (after XLA's passes, so
     combined, promoted or removed collectives show as they run).
@@ -231,7 +245,8 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     An instruction inside a loop (a `lax.scan` body) is listed once, with how many
     times it runs per call as its `count`: the product of the trip counts of the
     loops around it (`None` if one of them is unknown, as it is in a `Lowered`
-    program, read before XLA works trip counts out).
+    program, read before XLA works trip counts out, or for a `lax.while_loop` on a
+    traced condition, unless `unknown_trips` is given).
 
     **Arguments:**
 
@@ -242,6 +257,11 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
         for one, promotes bfloat16 all-reduces to float32).
     - `*args`, `**kwargs`: example arguments (arrays, or `jax.ShapeDtypeStruct`s with
         their shardings).
+    - `unknown_trips`: the trips to count for a loop whose trip count XLA does not
+        know; an upper bound on them gives an upper bound on each `count`. A step
+        with [`quax_tangents.optax.accumulate_gradients`][] refreshes its projectors
+        in a loop of zero or one trips: `unknown_trips=1` counts a refresh on every
+        step.
 
     **Returns:**
 
@@ -251,13 +271,22 @@ def collectives(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Colle
     stages = (jax.stages.Compiled, jax.stages.Lowered)
     if isinstance(fn, stages) and (args or kwargs):
         raise TypeError("A lowered or compiled program takes no example arguments.")
+    if unknown_trips is not None and (
+        isinstance(unknown_trips, bool)
+        or not isinstance(unknown_trips, int)
+        or unknown_trips < 0
+    ):
+        raise ValueError(
+            f"`unknown_trips` must be a non-negative int or None, got {unknown_trips!r}."
+        )
+    read = functools.partial(collectives_in_hlo, unknown_trips=unknown_trips)
     if isinstance(fn, jax.stages.Compiled):
-        return collectives_in_hlo(_text(fn.as_text()))
+        return read(_text(fn.as_text()))
     if isinstance(fn, jax.stages.Lowered):
-        return collectives_in_hlo(_text(fn.compiler_ir("hlo")).as_hlo_text())
+        return read(_text(fn.compiler_ir("hlo")).as_hlo_text())
     lowerable: Any = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = lowerable.lower(*args, **kwargs).compile()
-    return collectives_in_hlo(_text(compiled.as_text()))
+    return read(_text(compiled.as_text()))
 
 
 def _text(x: Any) -> Any:
@@ -310,8 +339,11 @@ def received_bytes(collective: Collective, devices: int, *, per: str = "call") -
         raise ValueError(
             f"The {collective.kind} {collective.name!r} runs inside a loop whose trip "
             "count XLA does not know, so its bytes per call are unknown. Pass "
-            "`per='run'` for the bytes of one run and multiply by the trip count, or "
-            "read a compiled program (`jax.jit(f).lower(...).compile()`)."
+            "`per='run'` for the bytes of one run and multiply by the trip count, "
+            "read a compiled program (`jax.jit(f).lower(...).compile()`), or, for a "
+            "`lax.while_loop` on a traced condition, give "
+            "`quax_tangents.collectives` `unknown_trips=` (an upper bound on its "
+            "trips)."
         )
     factors = {
         "all-gather": n - 1,

@@ -10,12 +10,19 @@ of `G`, which only needs products with `G`, and so sums of products with each `G
 1. sketch pass: `Y = (1/k) sum_i G_i Ω` for the Gaussian test matrix `Ω` that the
    mark's range finder would draw from the same key; `Q = orth(Y)`;
 2. (per power iteration, two more passes: `Q = orth(G orth(G^T Q))`);
-3. final pass: `B = (1/k) sum_i G_i^T Q`, with `Q` given as a projector of width
-   `rank + oversample`; then, as the range finder truncates, `U` the left singular
-   vectors of `B^T`, `P = Q U_r` and `G^T P = B U_r`.
+3. `B = (1/k) sum_i G_i^T Q`, in two passes: one with `Q`'s first `rank` columns,
+   written over the old projector (whose buffer is not read again), one with the
+   oversampling's few other columns; then, as the range finder truncates, `U` the
+   left singular vectors of `B^T` and `P = Q U_r`, written over the old projector
+   again;
+4. the pass of a step that keeps the projector, with `P`: `G^T P` (`= B U_r`).
 
 That is the full batch's range finder, step for step; only the order of additions
 differs. (Written for `m <= n`; a tall weight is projected on its columns, `G^T`.)
+A refresh step runs steps 1-3 in a `lax.while_loop` of zero or one trips, which
+updates the projectors in place: as `lax.cond` branches, a step that keeps them
+copied every projector into the branch's output, and a refresh step held `Q`
+beside the old projector's buffer.
 """
 
 import functools
@@ -30,7 +37,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
-from .._core._inplace import as_bits, from_bits, zeros_after
+from .._core._inplace import zeros_after
 from .._core._unchecked import unchecked
 from .._distributed._layout import constrain, factor_layout
 from .._distributed._sharding import (
@@ -64,64 +71,31 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _per_matrix(fn: Any, *xs: Array, after: Any = None, layouts: Any = None) -> Any:
-    """`fn` of each matrix in the last two dims of `xs`, one after another, so
-    that its float32 work is one matrix's size, not the stack's. The outputs are
-    written slice by slice into buffers made once `xs` (and `after`, an array
-    computed before) exist: XLA would otherwise make every such buffer at the start
-    of the branch (see `quax_tangents._core._inplace`)."""
-    return _per_matrix_loop(fn, xs, in_place=False, after=after, layouts=layouts)
-
-
-def _per_matrix_loop(
-    fn: Any, xs: tuple, in_place: bool, after: Any = None, layouts: Any = None
-) -> Any:
-    """`_per_matrix`; with `in_place`, the one output, of the shape and dtype of
-    `xs[0]`, is written over `xs[0]`. `layouts`: per output, its sharding or None
-    (a loop's buffers are replicated unless constrained)."""
+def _in_place_per_matrix(fn: Any, xs: tuple, layout: Any = None) -> Array:
+    """`fn` of each matrix in the last two dims of `xs`, one after another, each
+    result (of the shape and dtype of a matrix of `xs[0]`) written over that matrix
+    of `xs[0]`: the float32 work is one matrix's size, and the only stack-sized
+    buffer is the one `xs[0]` already holds. (A loop that adds into the slices of a
+    bfloat16 stack would copy it on CPU, see `quax_tangents._core._inplace`; one
+    that writes a product computed from a slice does not.) `layout`: the stack's
+    sharding, or None (a loop's buffer is replicated unless constrained)."""
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
     flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
-    count = flat[0].shape[0]
-    shapes = jax.eval_shape(fn, *[f[0] for f in flat])
-    leaves, treedef = jtu.tree_flatten(shapes)
-    layouts = [None] * len(leaves) if layouts is None else list(layouts)
-    if len(batch) != 1:  # the layouts are of the stack's own dims
-        layouts = [None] * len(leaves)
-    if in_place:
-        assert len(leaves) == 1 and leaves[0].shape == flat[0].shape[1:]
-        assert leaves[0].dtype == flat[0].dtype
-        buffers = [as_bits(flat[0])]
-    else:
-        late = flat[-1] if after is None else after
-        buffers = [
-            as_bits(zeros_after((count, *s.shape), s.dtype, late)) for s in leaves
-        ]
-    buffers = [constrain(b, layout) for b, layout in zip(buffers, layouts)]
+    dtype = flat[0].dtype
+    if len(batch) != 1:  # the layout is of the stack's own dims
+        layout = None
 
-    def body(i: Any, buffers: list) -> list:
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-        if in_place:
-            args = [from_bits(take(buffers[0]), flat[0].dtype), *map(take, flat[1:])]
-        else:
-            args = [take(f) for f in flat]
-        outs = jtu.tree_leaves(fn(*args))
-        return [
-            constrain(
-                jax.lax.dynamic_update_index_in_dim(
-                    b, as_bits(o.astype(s.dtype)), i, 0
-                ),
-                layout,
-            )
-            for b, o, s, layout in zip(buffers, outs, leaves, layouts)
-        ]
+    def body(i: Any, buffer: Array) -> Array:
+        take = functools.partial(jax.lax.dynamic_index_in_dim, index=i, keepdims=False)
+        out = fn(take(buffer), *map(take, flat[1:]))
+        assert out.shape == flat[0].shape[1:] and out.dtype == dtype
+        return constrain(jax.lax.dynamic_update_index_in_dim(buffer, out, i, 0), layout)
 
-    buffers = jax.lax.fori_loop(0, count, body, buffers)
-    outs = [
-        from_bits(b, s.dtype).reshape(*batch, *s.shape) for b, s in zip(buffers, leaves)
-    ]
-    return jtu.tree_unflatten(treedef, outs)
+    buffer = constrain(flat[0], layout)
+    buffer = jax.lax.fori_loop(0, flat[0].shape[0], body, buffer)
+    return buffer.reshape(xs[0].shape)
 
 
 def _orthonormal(x: Array, dtype: Any, layout: Any = None) -> Array:
@@ -132,18 +106,29 @@ def _orthonormal(x: Array, dtype: Any, layout: Any = None) -> Array:
         work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
         return orthonormal_columns(work).astype(dtype)
 
-    return _per_matrix_loop(one, (x.astype(dtype),), in_place=True, layouts=[layout])
+    return _in_place_per_matrix(one, (x.astype(dtype),), layout)
 
 
-def _truncate(q: Array, b: Array, rank: int) -> tuple[Array, Array]:
-    """The range finder's last step for one matrix: `U` the top left singular
-    vectors of `B^T`, `P = Q U` with its sign convention, and the factor `B U`."""
-    dtype = b.dtype
+def _write_columns(old: Array, basis: Array, rank: int, layout: Any) -> Array:
+    """The first `rank` columns of `basis`, written over `old` matrix by matrix."""
+
+    def first_columns(_: Array, q: Array) -> Array:
+        return q[..., :rank].astype(old.dtype)
+
+    return _in_place_per_matrix(first_columns, (old, basis), layout)
+
+
+def _truncate(q: Array, q_extra: Array, b: Array, b_extra: Array, rank: int) -> Array:
+    """The range finder's last step for one matrix, its basis `Q` and the product
+    `B = G^T Q` each given as the first `rank` columns and the others: `U` the top
+    left singular vectors of `B^T`, and `P = Q U` with its sign convention, in the
+    dtype of `q`."""
     work = jnp.promote_types(q.dtype, jnp.float32)
-    q, b = q.astype(work), b.astype(work)
-    u = top_left_singular(b.T, rank)
-    u = u * column_signs(q @ u)
-    return (q @ u).astype(dtype), (b @ u).astype(dtype)
+    q_all = jnp.concatenate([q.astype(work), q_extra.astype(work)], axis=-1)
+    b_all = jnp.concatenate([b.astype(work), b_extra.astype(work)], axis=-1)
+    u = top_left_singular(b_all.T, rank)
+    u = u * column_signs(q_all @ u)
+    return (q_all @ u).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -423,12 +408,15 @@ def accumulate_gradients(
     gradient `G`. On a refresh step (`state`'s `refresh`), every microbatch uses
     the same fresh projector, the one the range finder of `projected_cotangent`
     would find from the batch's gradient with the same key: a first pass adds up
-    the sketches `G_i Ω`, a second the products `G_i^T Q` with their orthonormal
-    basis `Q`, and the small SVD that truncates the range finder's oversampling
-    gives the projector and the small factor. Either way the result equals the
-    full batch's projected gradient (`quax_tangents.optax.mark(params, state,
-    key=key, iters=iters)` on the whole batch) up to float rounding. A refresh step
-    costs `2 + 2 * iters` passes over the microbatches, other steps one.
+    the sketches `G_i Ω`, two more the products `G_i^T Q` with their orthonormal
+    basis `Q` (its first `rank` columns, then the others), and the small SVD that
+    truncates the range finder's oversampling gives the projector, written over
+    the old one in place; then the pass of a step that keeps the projectors gives
+    the small factors. Either way the result equals the full batch's projected
+    gradient (`quax_tangents.optax.mark(params, state, key=key, iters=iters)` on
+    the whole batch) up to float rounding. A refresh step costs `4 + 2 * iters`
+    passes over the microbatches, other steps one (at `refresh_every=200`, 1%
+    more passes than one per step).
 
     A leaf that `dims=` views as other matrices than its last two dims is marked
     through its matrix view, as [`quax_tangents.optax.mark`][] marks it: its
@@ -506,13 +494,11 @@ def accumulate_gradients(
     def given(matrices: list) -> list:
         return [None if q is None else ("given", q) for q in matrices]
 
-    def steady(projectors: list) -> tuple[Array, Any, list]:
-        matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
-        loss, aux, factors = run(given(matrices))
-        return loss, aux, _finish(plans, leaves, matrices, factors)
+    def layout_of(i: int, x: Any, projector_side: bool) -> Any:
+        return _layout(layouts[i], plans[i], x, projector_side)
 
-    def refresh(projectors: list) -> tuple[Array, Any, list]:
-        del projectors
+    def fresh(projectors: list) -> list:
+        """The new projectors of a refresh step, written over `projectors`."""
         # Each slice's test matrix is drawn inside the model's pass, from its key.
         first = [
             ("sketch_key", _test_keys(plans[i], key_of[i]), key_impl)
@@ -524,9 +510,7 @@ def accumulate_gradients(
         def orthonormal(parts: list, projector_side: bool = True) -> list:
             # The projected leaves' parts only, laid out as the sums they replace.
             return [
-                _orthonormal(
-                    x, leaves[i].dtype, _layout(layouts[i], plans[i], x, projector_side)
-                )
+                _orthonormal(x, leaves[i].dtype, layout_of(i, x, projector_side))
                 if i in key_of
                 else None
                 for i, x in enumerate(parts)
@@ -539,33 +523,47 @@ def accumulate_gradients(
         for _ in range(iters):
             tests = orthonormal(run(given(bases))[2], projector_side=False)
             bases = orthonormal(run(sketch(tests))[2])
-        loss, aux, products = run(given(bases))
-        matrices, factors = [], []
-        done = None  # one leaf's outputs are made once the leaf before is done
-        for i, (q, b) in enumerate(zip(bases, products)):
-            if q is None:
-                matrices.append(None)
-                factors.append(b)
+        # The first `rank` columns of each basis are written over the old projector,
+        # whose buffer is not read again; the oversampling's few columns (at least
+        # one: a projected leaf's smaller side exceeds its rank) go apart.
+        main, extra = [], []
+        for i, (q, old) in enumerate(zip(bases, projectors)):
+            if i not in key_of:
+                main.append(None)
+                extra.append(None)
+                continue
+            rank = plans[i].rank
+            assert q.shape[-1] > rank
+            main.append(_write_columns(old, q, rank, layout_of(i, old, True)))
+            extra.append(q[..., rank:])
+        products = run(given(main))[2]
+        extra_products = run(given(extra))[2]
+        new = []
+        for i, old in enumerate(projectors):
+            if i not in key_of:
+                new.append(old)
                 continue
             truncate = functools.partial(_truncate, rank=plans[i].rank)
-            rank = (plans[i].rank,)
-            p_shape = jax.ShapeDtypeStruct(q.shape[:-1] + rank, q.dtype)
-            f_shape = jax.ShapeDtypeStruct(b.shape[:-1] + rank, b.dtype)
-            out_layouts = [
-                _layout(layouts[i], plans[i], p_shape, True),
-                _layout(layouts[i], plans[i], f_shape, False),
-            ]
-            p, f = _per_matrix(truncate, q, b, after=done, layouts=out_layouts)
-            matrices.append(constrain(p, out_layouts[0]))
-            factors.append(constrain(f, out_layouts[1]))
-            done = f
-        return loss, aux, _finish(plans, leaves, matrices, factors)
+            operands = (main[i], extra[i], products[i], extra_products[i])
+            layout = layout_of(i, old, True)
+            new.append(_in_place_per_matrix(truncate, operands, layout))
+        return new
 
-    # The projectors enter as operands: traced, the steady branch does not check the
-    # placeholder that a refresh step carries (see `check_orthonormal`).
     if key_of:
-        loss, aux, grads = jax.lax.cond(inner.refresh, refresh, steady, projectors)
-    else:
-        loss, aux, grads = steady(projectors)
+        # A loop of zero or one trips, not `lax.cond`: the new projectors are
+        # written over the old ones in place, where a `cond`'s outputs would be new
+        # buffers and a step that keeps the projectors would copy every one of them.
+        def refresh_once(carry: tuple) -> tuple:
+            _, current = carry
+            return jnp.zeros([], bool), fresh(current)
+
+        _, projectors = jax.lax.while_loop(
+            lambda carry: carry[0],
+            refresh_once,
+            (jnp.asarray(inner.refresh, bool), projectors),
+        )
+    matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
+    loss, aux, factors = run(given(matrices))
+    grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads

@@ -11,7 +11,7 @@ from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
-from .._core._inplace import as_bits, from_bits
+from .._core._inplace import as_bits, corner, from_bits
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 
@@ -127,7 +127,16 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """
     flat_params, treedef = jtu.tree_flatten(params, is_leaf=lambda x: x is None)
     flat_updates = treedef.flatten_up_to(updates)
-    new, previous = [], None
+    # With several low-rank leaves, the first waits for every low-rank factor: its
+    # projector exists from the start of the update (from before the gradient pass,
+    # on a step that keeps it), and XLA would otherwise gather it under FSDP and
+    # hold it in float32 from then on, beside every other leaf's.
+    low_rank = [u for u in flat_updates if isinstance(u, LowRank)]
+    previous = None
+    if len(low_rank) > 1:
+        corners = [corner(x) for u in low_rank for x in (u.left, u.right)]
+        previous = jnp.sum(jnp.stack([c.astype(jnp.float32) for c in corners]))
+    new = []
     for param, update in zip(flat_params, flat_updates):
         if isinstance(update, LowRank) and previous is not None:
             update = _after(update, previous)
@@ -141,9 +150,13 @@ def _after(update: LowRank, previous: Array) -> LowRank:
     """`update`, whose factors XLA cannot read before `previous` (the last low-rank
     leaf's new value) exists: so that one leaf's float32 factors (under FSDP, its
     gathered projector) are alive at a time, not every leaf's at once."""
-    left = from_bits(as_bits(update.left, after=previous), update.left.dtype)
-    right = from_bits(as_bits(update.right, after=previous), update.right.dtype)
+    left, right = _tied(update.left, previous), _tied(update.right, previous)
     return eqx.tree_at(lambda u: (u.left, u.right), update, (left, right))
+
+
+def _tied(x: Array, after: Array) -> Array:
+    """`x`, which XLA cannot read before `after` exists."""
+    return from_bits(as_bits(x, after=after), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

@@ -351,9 +351,15 @@ class _Loop:
 
     def state_slice(self, layer: Any, carried: list) -> list:
         # Leaves passed whole are read as they were before the step, so that every
-        # iteration computes the same new value for them.
+        # iteration computes the same new value for them; leaves that the gradient
+        # passes through are not carried, and read from before the step too (a
+        # slice is only written in its own iteration, so both give the same).
         return [
-            old if r is None else from_bits(r.read(x, layer), old.dtype)
+            old
+            if r is None
+            else r.read(old, layer)
+            if x is None
+            else from_bits(r.read(x, layer), old.dtype)
             for x, old, r in zip(carried, self.state_leaves, self.state_rows)
         ]
 
@@ -361,11 +367,13 @@ class _Loop:
         """The updates' flat shapes for the whole tree, how each is cut, and which
         are a gradient's own arrays (not carried) or guards (made afresh)."""
         passthrough: list[Any] = []
+        state_passthrough: list[Any] = []
 
         def probe(layer: Any) -> list:
-            _, out, g = self.one(layer, self.state_slice(layer, self.state_leaves))
+            state, out, g = self.one(layer, self.state_slice(layer, self.state_leaves))
             ids = {id(x): k for k, x in enumerate(g)}
             passthrough.extend(ids.get(id(x)) for x in out)
+            state_passthrough.extend(ids.get(id(x)) for x in state)
             return out
 
         one_out = jax.eval_shape(probe, 0)
@@ -385,12 +393,33 @@ class _Loop:
         self.passthrough = [
             "guard" if is_guard(o) else p for o, p in zip(one_out, passthrough)
         ]
+        self.state_passthrough = [
+            p if p is not None and self._same_array(old, r, p) else None
+            for old, r, p in zip(self.state_leaves, self.state_rows, state_passthrough)
+        ]
+
+    def _same_array(self, state_leaf: Any, rows: Any, k: int) -> bool:
+        """Whether gradient array `k` can stand for a new state leaf whose slices
+        are its slices: same shape, dtype and cut (a `projected` state's projector
+        is the gradient's, so that the old one is never read, nor carried)."""
+        a = self.arrays[k]
+        return (
+            rows == self.array_rows[k]
+            and tuple(jnp.shape(a)) == tuple(jnp.shape(state_leaf))
+            and jnp.dtype(a.dtype) == jnp.dtype(state_leaf.dtype)
+        )
 
     def _pairs(self) -> dict[int, int]:
         """Update arrays written over the gradient array they replace (same leaf,
         shape and dtype, split, not passed through): each slice of the gradient
         is read before its update is written there, so the two share a buffer."""
-        taken = {p for p in self.passthrough if isinstance(p, int)}
+        # A gradient array that an update or the new state passes through is
+        # returned as it is, so it cannot also hold an update.
+        taken = {
+            p
+            for p in [*self.passthrough, *self.state_passthrough]
+            if isinstance(p, int)
+        }
         leaf_of_grad = [
             k for k, grad in enumerate(self.grads) for _ in jtu.tree_leaves(grad)
         ]
@@ -428,8 +457,10 @@ class _Loop:
             (a for a in self.arrays if jnp.issubdtype(a.dtype, jnp.floating)), None
         )
         initial_state = [
-            x if r is None else as_bits(x, after=late)
-            for x, r in zip(self.state_leaves, self.state_rows)
+            None if p is not None else x if r is None else as_bits(x, after=late)
+            for x, r, p in zip(
+                self.state_leaves, self.state_rows, self.state_passthrough
+            )
         ]
         initial_out = [
             None
@@ -451,8 +482,10 @@ class _Loop:
                 layer, self.state_slice(layer, carried_state), sources
             )
             carried_state = [
-                n if r is None else r.write(c, n, layer)
-                for c, n, r in zip(carried_state, new_state, self.state_rows)
+                None if p is not None else n if r is None else r.write(c, n, layer)
+                for c, n, r, p in zip(
+                    carried_state, new_state, self.state_rows, self.state_passthrough
+                )
             ]
             carried_out = [
                 None if p is not None else (o if r is None else r.write(c, o, layer))
@@ -464,8 +497,14 @@ class _Loop:
             0, self.layers, body, (initial_state, initial_out)
         )
         final_state = [
-            x if r is None else from_bits(x, old.dtype)
-            for x, old, r in zip(final_state, self.state_leaves, self.state_rows)
+            self.arrays[p]
+            if p is not None
+            else x
+            if r is None
+            else from_bits(x, old.dtype)
+            for x, old, r, p in zip(
+                final_state, self.state_leaves, self.state_rows, self.state_passthrough
+            )
         ]
         final_out = [
             guard(f.shape[:-2])

@@ -689,9 +689,16 @@ def test_collectives_in_loops_count_once_per_iteration():
     assert qt.received_bytes(found["ag"], n) == 24 * (n - 1) * 32
     assert qt.received_bytes(found["ar"], n) == pytest.approx(74 * 2 * (n - 1) / n * 32)
     assert qt.received_bytes(found["ar"], n, per="run") == 2 * (n - 1) / n * 32
-    with pytest.raises(ValueError, match="trip count"):
+    with pytest.raises(ValueError, match="unknown_trips"):
         qt.received_bytes(found["cp"], n)
     assert qt.received_bytes(found["cp"], n, per="run") == 32
+    # A loop whose trip count XLA does not know counts as `unknown_trips` trips.
+    bounded = {
+        c.name: c.count for c in collectives_in_hlo(_LOOPED_HLO, unknown_trips=1)
+    }
+    assert bounded == {"ar": 24 * 3 + 2, "ag": 24, "once": 1, "cp": 1}
+    twice = {c.name: c.count for c in collectives_in_hlo(_LOOPED_HLO, unknown_trips=2)}
+    assert twice["cp"] == 2
 
 
 @needs_devices
@@ -715,6 +722,10 @@ def test_compiled_scan_counts_its_psum_per_iteration():
     assert [c.count for c in lowered if c.kind == "all-reduce"] == [None]
     with pytest.raises(ValueError, match="trip count"):
         qt.received_bytes(lowered[0], DEVICES)
+    bounded = qt.collectives(step.lower(xs), unknown_trips=length)
+    assert [c.count for c in bounded if c.kind == "all-reduce"] == [length]
+    with pytest.raises(ValueError, match="unknown_trips"):
+        qt.collectives(step.lower(xs), unknown_trips=-1)
 
 
 # ---------------------------------------------------------------------------------

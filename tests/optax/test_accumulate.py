@@ -21,7 +21,7 @@ from tests.helpers.matrix_view import (
     attention_params,
     matrix_view,
 )
-from tests.helpers.stacked import weight_buffers
+from tests.helpers.stacked import scanned, stacked_params, weight_buffers
 
 
 RANK = 2
@@ -289,6 +289,56 @@ def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():
         params = qto.apply_updates(params, updates)
 
 
+def test_a_step_writes_the_new_projectors_over_the_old_ones_and_copies_none():
+    # A whole step as an LLM training loop writes it, parameters and state donated:
+    # the projectors (the only f32[3,24,3] arrays) are written over in place on a
+    # refresh step and passed through on the others, by `accumulate_gradients` to
+    # the gradient and by `layerwise` to the new state; carried through
+    # `layerwise`'s loop, the old ones were copied.
+    params = stacked_params((3,), 24, 40)
+    tx = qto.layerwise(
+        qto.projected(optax.scale_by_adam(), rank=3, learning_rate=1e-2), layers=3
+    )
+    key = jax.random.key(0)
+
+    def loss(p, batch):
+        return jnp.mean(scanned(batch, p) ** 2)
+
+    def step(params, state, microbatches):
+        value, grads = qto.accumulate_gradients(
+            loss, params, state, microbatches, key=key
+        )
+        updates, state = tx.update(grads, state, params)
+        return qto.apply_updates(params, updates), state, value
+
+    args = (params, tx.init(params), random_array(5, (2, 4, 24)))
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+    copies = re.findall(r"= f32\[3,24,3\]\{[^}]*\} copy\(", hlo)
+    assert "f32[3,24,3]" in hlo and copies == []
+
+
+def test_a_refresh_step_updates_the_projectors_as_a_loop_carry_not_a_cond_output():
+    # The outputs of a `lax.cond` are new buffers: as cond branches, a kept step
+    # copied every projector into the branch's output, and a refresh step held the
+    # basis beside the old projectors (1.75 GiB each at 7B, `bench_scale.py`). A
+    # loop of zero or one trips carries them, so XLA updates them in place.
+    params = stacked_params((3,), 24, 40)
+    tx = qto.projected(optax.scale_by_adam(), rank=3, learning_rate=1e-2)
+
+    def loss(p, batch):
+        return jnp.mean(scanned(batch, p) ** 2)
+
+    jaxpr = jax.make_jaxpr(
+        lambda p, s, mb: qto.accumulate_gradients(loss, p, s, mb, key=jax.random.key(0))
+    )(params, tx.init(params), random_array(5, (2, 4, 24)))
+
+    def carries_projectors(eqn):
+        return any(v.aval.shape == (3, 24, 3) for v in eqn.outvars)
+
+    top = [e.primitive.name for e in jaxpr.eqns if carries_projectors(e)]
+    assert "while" in top and "cond" not in top, top
+
+
 def _one_layer(h, w):
     return h + jnp.tanh(h @ w["up"]) @ w["up"].T
 
@@ -422,7 +472,8 @@ def test_viewed_leaves_accumulate_with_no_weight_shaped_buffer():
     def inputs_only(p, mb):
         return jax.lax.map(jax.grad(lambda b: attention_loss(p, b)), mb)
 
-    passes = 3  # the step compiles both branches: refresh (2 passes), keep (1)
+    passes = 4  # a refresh (3 passes: sketches, then products with the basis's
+    # first `rank` columns and with the rest), then the step's own pass
     shapes = [
         f"f32[{layers}{s}]"
         for layers in ("3,", "")

@@ -77,11 +77,14 @@ def _scanned_loss(params, x):
     return jnp.sum(h**2) + jnp.sum(params["table"] ** 2)
 
 
-@pytest.mark.parametrize("eight_bit", [False, True])
-def test_projected_gradients_of_a_scanned_model(eight_bit):
-    layers = 3
+LAYERS = 3
+
+
+def _projected_scanned_case(eight_bit=False):
+    """(params, projected transformation, its state, marked gradients) of a scanned
+    model: `w` stacked and projected, `table` dense."""
     params = {
-        "w": random_array(0, (layers, 6, 6)) / 2,
+        "w": random_array(0, (LAYERS, 6, 6)) / 2,
         "table": random_array(1, (7, 6)),
     }
     tx = qto.projected(
@@ -98,8 +101,27 @@ def test_projected_gradients_of_a_scanned_model(eight_bit):
         grads = qt.grad(
             lambda p: _scanned_loss(qto.mark(p, state, key=jax.random.key(3)), x)
         )(params)
+    return params, tx, state, grads
+
+
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_projected_gradients_of_a_scanned_model(eight_bit):
+    params, tx, _, grads = _projected_scanned_case(eight_bit)
     assert isinstance(grads["w"], qt.LowRank) and grads["w"].batch_ndim == 1
-    _compare(tx, layers, params, [grads])
+    _compare(tx, LAYERS, params, [grads])
+
+
+def test_a_new_state_leaf_that_is_the_gradients_own_array_is_passed_through():
+    # `projected` takes the gradient's projector as its new state: `layerwise`
+    # returns that array itself, neither reading the old projector nor carrying a
+    # projector-sized buffer through its loop.
+    params, tx, state, grads = _projected_scanned_case()
+    _, new_state = qto.layerwise(tx, layers=LAYERS).update(grads, state, params)
+    _, expected = tx.update(grads, state, params)
+    leaves = jax.tree.leaves(new_state)
+    assert any(x is grads["w"].left for x in leaves)
+    for a, b in zip(jax.tree.leaves(expected), leaves, strict=True):
+        assert_close(a, b)
 
 
 def test_a_projected_matrix_without_layer_axis_goes_whole():
