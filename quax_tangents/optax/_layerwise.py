@@ -357,9 +357,7 @@ class _Loop:
         return [
             old
             if r is None
-            else r.read(old, layer)
-            if x is None
-            else from_bits(r.read(x, layer), old.dtype)
+            else from_bits(r.read(as_bits(old) if x is None else x, layer), old.dtype)
             for x, old, r in zip(carried, self.state_leaves, self.state_rows)
         ]
 
