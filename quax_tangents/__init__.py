@@ -28,6 +28,10 @@ from ._core._base import (
     ChunkCompressor as ChunkCompressor,
     CompressedArray as CompressedArray,
 )
+from ._core._checkpoint import (
+    tree_deserialise_leaves as tree_deserialise_leaves,
+    tree_serialise_leaves as tree_serialise_leaves,
+)
 from ._core._fallback import (
     DensificationError as DensificationError,
     DensificationWarning as DensificationWarning,
@@ -140,6 +144,8 @@ __all__ = [
     "SparseRows",
     "Static",
     "top_k",
+    "tree_deserialise_leaves",
+    "tree_serialise_leaves",
     "TwoPhase",
     "value_and_grad",
     "vjp",

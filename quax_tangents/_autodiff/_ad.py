@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import quax
 from jaxtyping import PyTree
 
+from .._core._trace import enter_trace
 from .._differentiable import merge_structures, split_structures, through_views
 from .._marks import _cotangents
 from .._marks._matrix_view import unwrap_stored_views
@@ -33,16 +33,6 @@ from ._arguments import (
     returning_pair,
 )
 from ._primitives import compress_p, outer_p
-
-
-def _enter_trace(fn: Callable) -> Callable:
-    """`quax.quaxify`, but always entering the trace.
-
-    quaxify skips its trace when no quax value is among the inputs. Cotangent
-    compression creates values inside the computation, so it needs the trace even
-    when every input is a plain array.
-    """
-    return quax.quaxify(fn, filter_spec=lambda _: True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -175,7 +165,7 @@ def jvp(
             at, [leaves[i] for i in active], active_tangents, has_aux=has_aux
         )
 
-    return _enter_trace(run)(fn, leaves, active_tangents)
+    return enter_trace(run)(fn, leaves, active_tangents)
 
 
 def partial_jvp(
@@ -246,7 +236,7 @@ def linearize(fn: Callable, *primals: PyTree) -> tuple[PyTree, Callable]:
     `(primal_out, f_jvp)`, where `f_jvp(*tangents)` is the JVP at `primals`.
     """
     fn, primals = through_views(as_pytree_callable(fn), primals)
-    out, linear = _enter_trace(jax.linearize)(fn, *primals)
+    out, linear = enter_trace(jax.linearize)(fn, *primals)
     return out, _apply_linear(linear, "tangents")
 
 
@@ -254,7 +244,7 @@ def _apply_linear(
     linear: Callable, what: str, finish: Callable[[PyTree], PyTree] = lambda x: x
 ) -> Callable:
     def apply(*args: PyTree) -> PyTree:
-        return finish(_enter_trace(linear)(*args))
+        return finish(enter_trace(linear)(*args))
 
     apply.__doc__ = f"Applies the linear map to {what}, which may be compressed."
     return apply
@@ -287,7 +277,7 @@ def vjp(fn: Callable, *primals: PyTree, has_aux: bool = False):
             fn = returning_pair(fn, "vjp")
         return jax.vjp(_cotangents.inner_layer(fn), *primals, has_aux=has_aux)
 
-    result = _cotangents.traced_with_marks(lambda: _enter_trace(run)(fn, *primals))
+    result = _cotangents.traced_with_marks(lambda: enter_trace(run)(fn, *primals))
     pullback = _apply_linear(result[1], "cotangents", unwrap_stored_views)
     return (result[0], pullback, *result[2:])
 
@@ -350,7 +340,7 @@ def _value_and_grad(
             return value, (grads[0] if single else tuple(grads))
 
         value, grads = _cotangents.traced_with_marks(
-            lambda: _enter_trace(run)(pytree_fn, args)
+            lambda: enter_trace(run)(pytree_fn, args)
         )
         return value, unwrap_stored_views(grads)
 

@@ -17,18 +17,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax._src.core as jcore
 import jax.extend.core as jexc
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
-from jax._src.ad_checkpoint import remat_p
+from jax.extend.core.primitives import remat_p
 from jaxtyping import ArrayLike
-from quax._compat import jit_p, scan_bind_params, unpack_scan_args
-from quax._primitives import jit_quax
-from quax._trace import _QuaxTrace
 
 from .._core._base import CompressedArray
+from .._core._compat import (
+    install_trace_method,
+    jit_p,
+    jit_quax,
+    scan_bind_params,
+    scan_counts,
+    unpack_scan_args,
+)
 from .._core._fallback import dry_run, record_densification
 from .._core._registry import rule
 from .._marks import _marked_scan
@@ -75,7 +79,7 @@ def has_construction(jaxpr: Any) -> bool:
         return cached[1]
     found = any(
         eqn.primitive in _CONSTRUCTION
-        or any(has_construction(sub) for sub in jcore.jaxprs_in_params(eqn.params))
+        or any(has_construction(sub) for sub in jexc.jaxprs_in_params(eqn.params))
         for eqn in jaxpr.eqns
     )
     _construction_cache[key] = (
@@ -109,14 +113,11 @@ def _jit_dense(*args: ArrayLike, jaxpr: Any, **params: Any) -> Any:
 
 
 def _inline_call(trace: Any, primitive: Any, fun: Any, tracers: Any, params: Any):
-    with jcore.set_current_trace(trace):
+    with jexc.set_current_trace(trace):
         return fun.call_wrapped(*tracers)
 
 
-if not hasattr(_QuaxTrace, "process_call") or (
-    _QuaxTrace.process_call is jcore.Trace.process_call
-):
-    _QuaxTrace.process_call = _inline_call
+install_trace_method("process_call", _inline_call)
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def _remat(
             differentiated=differentiated,
             policy=policy,
         )
-    body = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, ()))
+    body = jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ()))
     checkpointed = jax.checkpoint(
         _enter_trace(lambda *a: body(*a)), prevent_cse=prevent_cse, policy=policy
     )
@@ -354,9 +355,10 @@ def _sliceable(x: Any) -> Any:
 def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
-    if _marked_scan.applies(args, params["num_consts"], params["num_carry"]):
+    num_consts, num_carry = scan_counts(args, params)
+    if _marked_scan.applies(args, num_consts, num_carry):
         return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
-    if _marked_scan.applies_projected(args, params["num_consts"], params["num_carry"]):
+    if _marked_scan.applies_projected(args, num_consts, num_carry):
         return _marked_scan.scan_with_projected_xs(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]

@@ -8,7 +8,8 @@ would need a `process_shard_map` on `_QuaxTrace` that (a) flattens quax values i
 their array leaves, (b) gives every leaf a `PartitionSpec` derived from the spec of
 the value it belongs to, (c) binds `shard_map_p` on the parent trace with a body that
 re-enters a quax trace, and (d) rebuilds the values from the output leaves. This
-module installs exactly that, for jax 0.10's `FlatTree` protocol of `shard_map_p`.
+module installs exactly that, for the `FlatTree` protocol of `shard_map_p` (JAX 0.10.2
+to 0.12; see `_core._compat`).
 
 How a quax value crosses the boundary (in either direction):
 
@@ -31,16 +32,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax._src.core as jcore
+import jax.extend.core as jexc
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
-from jax._src.tree_util import FlatTree
 from jax.sharding import PartitionSpec as P
-from quax._dispatch import _wrap_if_array
-from quax._trace import _QuaxTrace, _QuaxTracer
-from quax._values import _DenseArrayValue
 
+from .._core._compat import (
+    DenseArrayValue,
+    QuaxTrace,
+    QuaxTracer,
+    flatten_flat_tree,
+    install_trace_method,
+    wrap_if_array,
+)
 from .._core._fallback import record_densification
 from .._distributed._sharding import explicit_axes, spec_entries, varying_axes
 from .._types.lowrank import LowRank
@@ -154,9 +159,9 @@ def _rebuild(crossings: Sequence[_Crossing], leaves: Sequence[Any]) -> list:
 # The trace hook
 
 
-def _plain(trace: _QuaxTrace, tracer: Any) -> Any:
+def _plain(trace: QuaxTrace, tracer: Any) -> Any:
     value = trace.to_value(tracer)
-    return value.array if type(value) is _DenseArrayValue else value
+    return value.array if type(value) is DenseArrayValue else value
 
 
 def _placed(leaf: Any, spec: Any) -> Any:
@@ -174,7 +179,7 @@ def _manual_axes(mesh: Any, newly_manual_axes: frozenset) -> frozenset:
 
 
 def _process_shard_map(
-    self: _QuaxTrace,
+    self: QuaxTrace,
     prim: Any,
     fun: Callable,
     tracers: Sequence[Any],
@@ -187,17 +192,17 @@ def _process_shard_map(
 ) -> Any:
     axes = _manual_axes(mesh, newly_manual_axes)
     values = [_plain(self, t) for t in tracers]
-    with jcore.set_current_trace(self.parent_trace):
+    with jexc.set_current_trace(self.parent_trace):
         entering = [
             _crossing(v, s, "entering", check_vma, axes)
             for v, s in zip(values, in_specs)
         ]
     leaves, leaf_specs = _split(entering)
-    with jcore.set_current_trace(self.parent_trace):
+    with jexc.set_current_trace(self.parent_trace):
         leaves = [_placed(leaf, spec) for leaf, spec in zip(leaves, leaf_specs)]
     found: dict[str, Any] = {}
 
-    def body(*body_leaves: Any) -> FlatTree:
+    def body(*body_leaves: Any) -> Any:
         inner_values = _rebuild(entering, body_leaves)
 
         def run(*args: Any) -> list:
@@ -212,7 +217,7 @@ def _process_shard_map(
         ]
         found["leaving"] = leaving
         out_leaves, out_specs = _split(leaving)
-        return FlatTree.flatten(list(out_leaves)).with_aux(tuple(out_specs))
+        return flatten_flat_tree(list(out_leaves)).with_aux(tuple(out_specs))
 
     params = dict(
         subfuns=(body,),
@@ -222,17 +227,16 @@ def _process_shard_map(
         newly_manual_axes=newly_manual_axes,
         debug_info=debug_info.with_unknown_names(),
     )
-    avals = tuple(jcore.typeof(x) for x in leaves)
-    with jcore.set_current_trace(self.parent_trace):
+    avals = tuple(jax.typeof(x) for x in leaves)
+    with jexc.set_current_trace(self.parent_trace):
         out = prim.bind_with_trace(self.parent_trace, tuple(leaves), avals, params)
         outs = _rebuild(found["leaving"], list(out.vals))
-    return found["user_out"].update(_QuaxTracer(self, _wrap_if_array(v)) for v in outs)
+    return found["user_out"].update(QuaxTracer(self, wrap_if_array(v)) for v in outs)
 
 
 def install() -> None:
     """Gives quax's trace its `process_shard_map` (idempotent)."""
-    if not hasattr(_QuaxTrace, "process_shard_map"):
-        _QuaxTrace.process_shard_map = _process_shard_map  # type: ignore[attr-defined]
+    install_trace_method("process_shard_map", _process_shard_map)
 
 
 install()

@@ -9,14 +9,14 @@ answer.
 
 So every compressed value carries one more leaf, the guard: an array of JAX's
 extended "key" kind, of a key implementation of our own whose tag is the message
-below. It holds no data (its key shape is `(0,)`, so it stores zero bytes) and has
-the value's batch shape, so `vmap`, `scan`, `cond` and `jit` stack, slice, select
-and pass it as they do the fields. JAX refuses arithmetic, comparisons, reductions
-and casts on key arrays at trace time, in the operation that tries, with an error
-that names the dtype: `multiply does not accept dtypes key<...>, float32`, where
-`...` is the message. The leafwise map fails where it is written, eagerly and under
-`jit` alike, and the error says what to use instead. Nothing is checked anywhere
-else: no cost on the hot path.
+below. It holds one `uint32` zero per value (its key shape is `(1,)`) and has the
+value's batch shape, so `vmap`, `scan`, `cond` and `jit` stack, slice, select and
+pass it as they do the fields. JAX refuses arithmetic, comparisons, reductions and
+casts on key arrays at trace time, in the operation that tries, with an error that
+names the dtype: `multiply does not accept dtypes key<...>, float32`, where `...` is
+the message. The leafwise map fails where it is written, eagerly and under `jit`
+alike, and the error says what to use instead. Nothing is checked anywhere else: no
+cost on the hot path.
 
 The guard's shape is the value's batch shape followed by `(1, 1)`, so that code that
 only transforms leaves of at least two dims (`optax.centralize`) reaches it too.
@@ -25,14 +25,22 @@ What leafwise code can still do to a value without arithmetic (select between tw
 whole values, slice batch dims, make zeros of it, pass it through) leaves a correct
 value.
 
-One gap is closed by hand: a *concrete* key array (outside `jit`) answers the array
-methods it lacks (`x.real`, `x.conj()`, `x.sum()`, ...) with JAX's bare
-"Cannot call abstract method real". `_explain_key_methods` wraps those methods so
-that, for a guard only, the error carries the message; every other key array gets
-JAX's own error unchanged.
+Checkpoints. The key implementation is registered with JAX under its name
+(`_compat.register_key_impl`), and the guard holds one word of data rather than
+none, so that checkpoint libraries that save typed keys as their data plus the
+implementation's name (orbax-checkpoint) save and restore it like any key.
+equinox's default filter specs cannot save any typed key; `tree_serialise_leaves`
+and `tree_deserialise_leaves` (`_core/_checkpoint.py`) skip the guard, which carries
+no information, and make a fresh one on restore.
+
+Two gaps are closed by hand (`_compat.explain_key_methods`): a *concrete* key array
+(outside `jit`) answers the array methods it lacks (`x.real`, `x.conj()`,
+`x.sum()`, ...) with JAX's bare "Cannot call abstract method real", and answers
+`numpy.asarray` (what equinox's default serialiser calls) with an error that does not
+say where the key came from. For a guard only, both errors carry the message; every
+other key array gets JAX's own error unchanged.
 """
 
-import inspect
 from typing import Any, cast
 
 import jax
@@ -40,6 +48,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import random as jex_random
+
+from ._compat import explain_key_methods, register_key_impl
 
 
 GUARD_MESSAGE = (
@@ -62,12 +72,12 @@ def _refuse(*args: Any, **kwargs: Any) -> Any:
 
 def _seed(seed: Any) -> jax.Array:
     del seed
-    return jnp.zeros((0,), jnp.uint32)
+    return jnp.zeros((1,), jnp.uint32)
 
 
 # Module-level functions only, so that a value (its guard's dtype) pickles.
 _GUARD_IMPL = jex_random.define_prng_impl(
-    key_shape=(0,),
+    key_shape=(1,),
     seed=_seed,
     split=_refuse,
     random_bits=_refuse,
@@ -75,14 +85,15 @@ _GUARD_IMPL = jex_random.define_prng_impl(
     name="quax_tangents.guard",
     tag=GUARD_MESSAGE,
 )
+register_key_impl(_GUARD_IMPL)
 
 
 _CONCRETE: dict[tuple[int, ...], jax.Array] = {}
 
 
 def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
-    """The guard leaf of a value with these batch dims: a zero-byte key array of
-    shape `(*batch_shape, 1, 1)`. Made once per shape where it can be concrete (a
+    """The guard leaf of a value with these batch dims: a key array of shape
+    `(*batch_shape, 1, 1)`. Made once per shape where it can be concrete (a
     constant under `jit`); inside traces that evaluation cannot leave (a `shard_map`
     body) it is made afresh, never kept, so that no tracer outlives its trace."""
     batch_shape = tuple(batch_shape)
@@ -90,7 +101,7 @@ def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
     if cached is not None:
         return cached
     with jax.ensure_compile_time_eval():
-        data = np.zeros((*batch_shape, 1, 1, 0), np.uint32)
+        data = np.zeros((*batch_shape, 1, 1, 1), np.uint32)
         made = jax.random.wrap_key_data(cast(Any, data), impl=_GUARD_IMPL)
     if not isinstance(made, jax.core.Tracer):
         _CONCRETE[batch_shape] = made
@@ -101,7 +112,7 @@ def guard(batch_shape: tuple[int, ...] = ()) -> jax.Array:
 # (`jax.distributed.initialize` has to come first in a multi-process program).
 _ABSTRACT_GUARD = jax.eval_shape(
     lambda: jax.random.wrap_key_data(
-        cast(Any, np.zeros((1, 1, 0), np.uint32)), impl=_GUARD_IMPL
+        cast(Any, np.zeros((1, 1, 1), np.uint32)), impl=_GUARD_IMPL
     )
 )
 GUARD_DTYPE = _ABSTRACT_GUARD.dtype
@@ -112,29 +123,13 @@ def is_guard(x: Any) -> bool:
     return getattr(x, "dtype", None) == GUARD_DTYPE
 
 
-def _explaining(name: str, original: Any) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_guard(self):
-            raise TypeError(f"`{name}` does not accept dtype {GUARD_DTYPE}.")
-        return original(self, *args, **kwargs)
-
-    return method
-
-
-def _explain_key_methods() -> None:
-    # JAX's key-array class, named without making an array (see `GUARD_DTYPE`).
-    from jax._src.random.prng import PRNGKeyArray as key_array
-
-    for name in dir(key_array):
-        if name.startswith("_"):
-            continue
-        attribute = inspect.getattr_static(key_array, name)
-        is_property = isinstance(attribute, property)
-        function = attribute.fget if is_property else attribute
-        if not getattr(function, "__isabstractmethod__", False):
-            continue
-        wrapped = _explaining(name, function)
-        setattr(key_array, name, property(wrapped) if is_property else wrapped)
+SAVE_MESSAGE = (
+    "equinox's default filter specs cannot save a typed key array, and this one is "
+    "the guard leaf of a compressed value (quax_tangents): save with "
+    "quax_tangents.tree_serialise_leaves and restore with "
+    "quax_tangents.tree_deserialise_leaves, which take the same arguments as "
+    "equinox's"
+)
 
 
-_explain_key_methods()
+explain_key_methods(is_guard, GUARD_MESSAGE, SAVE_MESSAGE)

@@ -1,7 +1,7 @@
 """Primitives and small helpers that rules share."""
 
-from jax._src import ad_util
+from jax.extend.core import primitives as _primitives
 
 
 # JAX's tangent and cotangent accumulation primitive; `jax.lax` does not export it.
-add_any_p = ad_util.add_jaxvals_p
+add_any_p = _primitives.add_jaxvals_p

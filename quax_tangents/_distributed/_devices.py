@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
-from jax._src import config as _jax_config
 from jaxtyping import Array, PyTree
 
+from .._core._compat import check_vma_enabled
 from .._core._guard import is_guard
 
 
@@ -76,7 +76,7 @@ def invariant_over(x: Any, axis_name: AxisName) -> bool:
     """Whether JAX's types say `x` is the same on every device along `axis_name`:
     under `shard_map(..., check_vma=True)`, `x` does not vary over any of its axes.
     Without `check_vma` nothing is known, and this is `False`."""
-    if not _jax_config._check_vma.value:  # private in jax 0.10.2
+    if not check_vma_enabled():
         return False
     varying = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
     if varying is None:

@@ -37,14 +37,14 @@ import jax
 import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
-import quax
-from jax._src import config as jax_config
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
 
 from .._core import _fallback, _validate
+from .._core._compat import trace_context_state
 from .._core._registry import rule
+from .._core._trace import enter_trace
 from ._marked import Marked
 from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p
@@ -311,21 +311,17 @@ _state = _State()
 # an entry point made (with marks bound as `mark_p`) apart from plain JAX's (marks
 # as the custom_vjp identity): `jax.grad` and `quax_tangents.grad` of one jitted
 # function then each find their own trace, in either order.
-# (JAX's private config API: without it, a trace cached by one is still
-# differentiated correctly by the other, through `mark_p`'s JVP, but densely.)
+# (`_compat.trace_context_state`.)
 def _mode_context(mode: str) -> Any:
     return contextlib.nullcontext()
 
 
-_trace_mode: Callable[[str], Any] = _mode_context
-with contextlib.suppress(AttributeError, TypeError):
-    _trace_mode = jax_config.enum_state(
-        "quax_tangents_mark_mode",
-        ["none", "probe", "inner"],
-        "none",
-        "How quax_tangents' cotangent marks trace (private).",
-        include_in_trace_context=True,
-    )
+_mode_state = trace_context_state(
+    "quax_tangents_mark_mode", ["none", "probe", "inner"], "none"
+)
+_trace_mode: Callable[[str], Any] = (
+    _mode_context if _mode_state is None else _mode_state
+)
 
 
 def _mark(spec: Finish, w: Any, operands: tuple) -> Any:
@@ -373,7 +369,7 @@ def inner_layer(fn: Callable) -> Callable:
     rules run above the AD transformation that wraps `fn`; otherwise `fn`."""
     if _state.mode != "inner":
         return fn
-    return quax.quaxify(fn, filter_spec=lambda _: True)
+    return enter_trace(fn)
 
 
 # ---------------------------------------------------------------------------------------

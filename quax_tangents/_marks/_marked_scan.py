@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import quax
 
+from .._core._compat import scan_counts
 from .._core._inplace import as_bits, from_bits
 from .._distributed._layout import constrain, drop_leading
 from . import _cotangents
@@ -64,7 +65,7 @@ def scan_with_marked_consts(
     args: Sequence[Any], jaxpr: Any, params: dict[str, Any]
 ) -> list[Any]:
     """`scan_p.bind(*args, jaxpr=jaxpr, **params)` for operands that `applies`."""
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = scan_counts(args, params)
     metas = [_meta(a) for a in args]
     arrays = [a.array if isinstance(a, Marked) else a for a in args]
     body = jexc.jaxpr_as_fun(jaxpr)
@@ -226,7 +227,7 @@ def scan_with_projected_xs(
 ) -> list[Any]:
     """`scan_p.bind(*args, jaxpr=jaxpr, **params)` for operands that
     `applies_projected`."""
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = scan_counts(args, params)
     entries = [_cotangents.pushable(a) for a in args]
     for entry in entries:
         if entry is not None:

@@ -3,8 +3,7 @@ on a replicated operand that meets a device-varying one, and `device_varying` bi
 explicitly) changes the weight's type, not its values, so it keeps the mark. Its
 transpose, `psum_invariant`, then sums the compressed per-device cotangents."""
 
-from jax._src.core import pvary_p
-
+from .._core._compat import pvary_p
 from .._core._registry import rule
 from .._distributed._devices import vary_leaf
 from ._marked import Marked

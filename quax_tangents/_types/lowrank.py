@@ -16,14 +16,12 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
-from jax._src.core import pvary_p
-from jax._src.lax.parallel import psum_invariant_p
-from jax._src.pjit import reshard_p
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._core import _validate
 from .._core._base import CompressedArray, densify
+from .._core._compat import psum_invariant_p, pvary_p, reshard_p
 from .._core._fallback import (
     budget_settings,
     is_vector_shape,

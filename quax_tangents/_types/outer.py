@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-from jax._src.lax.parallel import psum_invariant_p
 from jaxtyping import Array, ArrayLike, Float
 
 from .._core._base import CompressedArray, densify
+from .._core._compat import psum_invariant_p
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule

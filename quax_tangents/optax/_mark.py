@@ -26,12 +26,29 @@ def leaf_keys(key: PRNGKeyArray | None, state: ProjectedState, count: int) -> An
     return jax.random.split(key, max(count, 1))
 
 
+def _paths(treedef: Any) -> list[str]:
+    marker = jtu.tree_unflatten(treedef, [_Leaf()] * treedef.num_leaves)
+    found = jtu.tree_flatten_with_path(marker, is_leaf=lambda x: isinstance(x, _Leaf))
+    return [jtu.keystr(path) for path, _ in found[0]]
+
+
+class _Leaf:
+    pass
+
+
 def flatten_as(treedef: Any, tree: PyTree, message: str) -> list:
     """`tree`'s leaves down to `treedef`'s, or a `ValueError` that starts with
-    `message`."""
+    `message`.
+
+    A tree whose nodes are of other types but whose leaves sit at the same paths is
+    accepted: Flax NNX's `Optimizer` turns the `nnx.Param` nodes of the state it keeps
+    into `OptVariable` nodes (both reach their value by `.value`)."""
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as error:
+        found, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+        if [jtu.keystr(path) for path, _ in found] == _paths(treedef):
+            return [leaf for _, leaf in found]
         raise ValueError(f"{message}: {error}") from error
 
 

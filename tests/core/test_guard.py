@@ -30,14 +30,25 @@ def _guards(value):
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_every_value_has_one_guard_of_zero_bytes(type_name):
+def test_every_value_has_one_guard_of_one_word(type_name):
     value = _value(type_name)
     (guard,) = _guards(value)
     assert guard.dtype == GUARD_DTYPE and guard.shape == (1, 1)
-    # `nbytes` counts the fields only; the guard stores nothing.
+    # `nbytes` counts the fields only; the guard holds one zero word, no information
+    # (checkpoint libraries drop arrays with no elements).
     fields = sum(leaf.nbytes for leaf in field_leaves(value))
     assert value.nbytes == fields
-    assert jax.random.key_data(guard).size == 0
+    data = jax.random.key_data(guard)
+    assert data.shape == (1, 1, 1) and not np.any(data)
+
+
+def test_the_guard_is_restored_by_its_name():
+    # orbax-checkpoint restores a typed key from its data and its implementation's
+    # name.
+    (guard,) = _guards(_value("LowRank"))
+    name = str(jax.random.key_impl(guard))
+    again = jax.random.wrap_key_data(jax.random.key_data(guard), impl=name)
+    assert again.dtype == GUARD_DTYPE
 
 
 @pytest.mark.parametrize("type_name", TYPES)
