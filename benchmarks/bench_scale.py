@@ -35,16 +35,29 @@ To estimate another model, import the script's folder and call `estimate`:
 """
 
 import os
+import sys
 
 
 _NO_HOIST = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 _DEVICES = "--xla_force_host_platform_device_count=8"
 
 
+def _tpu_target() -> bool:
+    """Whether this run compiles for a TPU (`--target tpu-...`)."""
+    argv = sys.argv[1:]
+    return any(
+        a.startswith("--target=tpu") or (a == "--target" and v.startswith("tpu"))
+        for a, v in zip(argv, argv[1:] + [""])
+    )
+
+
 def _set_xla_flags() -> None:
     """Must run before JAX initialises its backend; a second `--with-hoisting` process
-    measures with the pass on."""
+    measures with the pass on. A TPU target keeps the TPU compiler's defaults (the
+    CPU-only pass and host device count do not apply to it)."""
     flags = os.environ.get("XLA_FLAGS", "")
+    if _tpu_target():
+        return
     if os.environ.get("BENCH_SCALE_HOIST") != "1" and _NO_HOIST not in flags:
         flags += " " + _NO_HOIST
     if "xla_force_host_platform_device_count" not in flags:
@@ -61,7 +74,6 @@ import functools
 import json
 import math
 import subprocess
-import sys
 import time
 import warnings
 from typing import Any
@@ -94,6 +106,18 @@ GALORE_SCALE = 0.25  # the paper's alpha
 REFRESH_EVERY = 200  # the paper's update_proj_gap
 FSDP_DEVICES = 8
 ARMS = ("adam", "adam-8bit", "galore", "projected", "projected-8bit")
+# The step of one microbatch, no accumulation, with the pieces put together the
+# plain way; measured with `--accumulation 1`.
+SIMPLE_ARM = "simple-8bit"
+# What `--target` compiles for: the CPU this runs on, or one chip of a TPU topology
+# compiled ahead of time without a TPU (`jax[tpu]`'s libtpu), and the 8-chip slice of
+# the same generation for the FSDP step.
+TARGETS = {
+    "cpu": None,
+    "tpu-v5e": ("v5e:2x2", "v5e:2x4"),
+    "tpu-v5p": ("v5p:2x2x1", "v5p:2x2x2"),
+    "tpu-v6e": ("v6e:2x2", "v6e:2x4"),
+}
 GIB = 2**30
 
 
@@ -149,8 +173,35 @@ def _galore(config: LlamaConfig):
     )
 
 
-def transformation(config: LlamaConfig, arm: str):
-    """The arm's transformation of the whole parameter tree."""
+def pipeline(config: LlamaConfig, arm: str) -> qto.GaLore:
+    """The projected arms: `qto.galore` with its defaults (8-bit state unless the
+    arm is `projected`), as a user writes it."""
+    return qto.galore(
+        rank=config.rank,
+        learning_rate=LEARNING_RATE,
+        refresh_every=REFRESH_EVERY,
+        scale=GALORE_SCALE,
+        project=_block_matrices,
+        state_bits=None if arm == "projected" else 8,
+    )
+
+
+def _simple(config: LlamaConfig):
+    """The `simple-8bit` arm's transformation: the pieces put together the plain way
+    (`qto.projected` around an 8-bit `optax.adam`, no `layerwise`), as a user who
+    switches from `optax.adam` without `qto.galore` writes it."""
+    return qto.projected(
+        qto.quantized_state(optax.adam(LEARNING_RATE)),
+        rank=config.rank,
+        refresh_every=REFRESH_EVERY,
+        scale=GALORE_SCALE,
+        project=_block_matrices,
+    )
+
+
+def transformation(config: LlamaConfig, arm: str, params: Any = None):
+    """The arm's transformation of the whole parameter tree (`params`, abstract, for
+    the pipeline's, whose layer count it reads)."""
     adam = optax.adam(LEARNING_RATE)
     if arm == "adam":
         return adam
@@ -158,20 +209,18 @@ def transformation(config: LlamaConfig, arm: str):
         return qto.layerwise(qto.quantized_state(adam), layers=config.layers)
     if arm == "galore":
         return _galore(config)
-    tx = qto.projected(
-        optax.scale_by_adam(),
-        rank=config.rank,
-        learning_rate=LEARNING_RATE,
-        refresh_every=REFRESH_EVERY,
-        scale=GALORE_SCALE,
-        project=_block_matrices,
-    )
-    if arm == "projected-8bit":
-        tx = qto.quantized_state(tx)
-    return qto.layerwise(tx, layers=config.layers)
+    if arm == "simple-8bit":
+        return _simple(config)
+    if params is None:
+        params = jax.eval_shape(
+            functools.partial(init_params, config), jax.random.key(0)
+        )
+    return pipeline(config, arm).transformation(params)
 
 
 def init_state(config: LlamaConfig, arm: str, params: dict):
+    if arm.startswith("projected"):
+        return pipeline(config, arm).init(params)
     return transformation(config, arm).init(params)
 
 
@@ -210,14 +259,29 @@ def make_step(config: LlamaConfig, arm: str, activations=None, shardings=None):
     `shardings`: its parameters' shardings, which lay the running sums of factors out
     like the weights (`accumulate_gradients(shardings=...)`).
     """
-    tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config, batch=activations)
+    if arm.startswith("projected"):
+        opt = pipeline(config, arm)
+
+        def step(params, state, tokens):
+            # The plain step of `qto.galore`: the microbatches are the batch's
+            # leading dim split `accumulation` ways.
+            batch = tokens.reshape(-1, tokens.shape[-1])
+            value, grads = opt.value_and_grad(
+                loss_fn, microbatches=tokens.shape[0], shardings=shardings
+            )(params, state, batch)
+            updates, state = opt.update(grads, state, params)
+            return opt.apply(params, updates), state, value
+
+        return step
+    tx = transformation(config, arm)
 
     def step(params, state, tokens):
-        if arm.startswith("projected"):
-            value, grads = qto.accumulate_gradients(
-                loss_fn, params, state, tokens, shardings=shardings
-            )
+        if arm == "simple-8bit":
+            # One microbatch: the marks applied in the loss, `qt.value_and_grad`.
+            value, grads = qt.value_and_grad(
+                lambda p: loss_fn(qto.mark(p, state), tokens[0])
+            )(params)
         else:
             value, grads = dense_gradients(config, params, tokens, activations)
         updates, state = tx.update(grads, state, params)
@@ -281,6 +345,8 @@ class Estimate:
     devices: int = 1
     received: float = 0.0
     received_keep: float = 0.0
+    target: str = "cpu"
+    accumulation: int = ACCUMULATION
 
     @property
     def total(self) -> int:
@@ -354,6 +420,7 @@ def estimate(
     accumulation: int = ACCUMULATION,
     seq: int = SEQ,
     devices: int = 1,
+    target: str = "cpu",
 ) -> Estimate:
     """Compiles one training step of the scanned Llama `config` with the optimiser
     `arm` and returns its memory, without running it or allocating its weights.
@@ -369,6 +436,8 @@ def estimate(
     - `devices`: above 1, an FSDP-style step on that many devices of a 1-d mesh:
         parameters and state sharded on their largest divisible axis (never the layer
         axis), microbatches split; JAX must see that many devices.
+    - `target`: a key of `TARGETS`: `"cpu"`, or a TPU generation compiled ahead of
+        time without a TPU (one chip, or its 8-chip slice for `devices=8`).
 
     **Returns:**
 
@@ -378,13 +447,19 @@ def estimate(
     params, state, tokens = _abstract_inputs(
         config, arm, batch * devices, accumulation, seq
     )
+    if arm == SIMPLE_ARM and accumulation != 1:
+        raise ValueError(f"the `{SIMPLE_ARM}` arm is the step of one microbatch")
     jit_kwargs: dict = {"donate_argnums": (0, 1)}
     activations = param_shardings = None
+    chips = target_devices(target, devices)
+    if devices == 1 and target != "cpu":
+        one = jax.sharding.SingleDeviceSharding(chips[0])
+        jit_kwargs.update(in_shardings=(one, one, one), out_shardings=(one, one, one))
     if devices > 1:
         mesh = jax.make_mesh(
             (devices,),
             ("data",),
-            devices=jax.devices()[:devices],
+            devices=chips[:devices],
             axis_types=(jax.sharding.AxisType.Auto,),
         )
         activations = NamedSharding(mesh, P("data"))
@@ -440,6 +515,25 @@ def estimate(
         devices,
         received,
         received_keep,
+        target,
+        accumulation,
+    )
+
+
+def target_devices(target: str, devices: int) -> list:
+    """The devices to compile for: this machine's, or those of a TPU topology (no
+    TPU attached: `jax.experimental.topologies`, which needs libtpu, from
+    `pip install "jax[tpu]"`)."""
+    if target not in TARGETS:
+        raise ValueError(f"`target` must be one of {sorted(TARGETS)}, not {target!r}")
+    if TARGETS[target] is None:
+        return jax.devices()
+    from jax.experimental import topologies
+
+    single, sliced = TARGETS[target]
+    name = single if devices == 1 else sliced
+    return list(
+        topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     )
 
 
@@ -1009,6 +1103,119 @@ def _log(r: Estimate) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------
+# CPU and TPU compiles side by side (`--target`)
+
+
+def _target_key(r: dict) -> tuple:
+    return (r["model"], r["accumulation"], r["devices"], r["arm"], r["target"])
+
+
+def targets_table(runs: list[dict]) -> list[str]:
+    """One row per model, step and arm; per target its total, its ratio to BF16
+    Adam's total on the same target and step, its temp and its compile time."""
+    targets = [t for t in TARGETS if any(r["target"] == t for r in runs)]
+    found = {_target_key(r): r for r in runs}
+    rows = sorted(
+        {k[:4] for k in found},
+        key=lambda k: (list(MODELS).index(k[0]), -k[1], k[2], _arm_order(k[3])),
+    )
+    header = "| model | microbatches | devices | arm | " + " | ".join(
+        f"{t} GiB | {t} ÷ adam | {t} temp | {t} compile s" for t in targets
+    )
+    lines = [header + " |", "|" + "---|" * (4 + 4 * len(targets))]
+    for model, accumulation, devices, arm in rows:
+        cells = [model, str(accumulation), str(devices), f"`{arm}`"]
+        for t in targets:
+            r = found.get((model, accumulation, devices, arm, t))
+            adam = found.get((model, accumulation, devices, "adam", t))
+            if r is None:
+                cells += ["", "", "", ""]
+                continue
+            e = Estimate(**{k: v for k, v in r.items() if k != "command"})
+            ratio = (
+                f"{e.total / Estimate(**{k: v for k, v in adam.items() if k != 'command'}).total:.3f}"
+                if adam
+                else ""
+            )
+            cells += [_gib(e.total), ratio, _gib(e.temp), f"{e.compile_s:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _arm_order(arm: str) -> int:
+    order = (*ARMS, SIMPLE_ARM)
+    return order.index(arm) if arm in order else len(order)
+
+
+def render_targets(saved: dict) -> str:
+    runs = saved["runs"]
+    commands = sorted({r["command"] for r in runs})
+    return "\n".join(
+        [
+            "# Memory of a Llama training step on CPU and TPU compiles, side by side",
+            "",
+            "Produced by these runs (each row below is from one of them):",
+            "",
+            "```",
+            *commands,
+            "```",
+            "",
+            *environment(
+                ("jax", "jaxlib", "optax", "quax", "quax-tangents"),
+                "CPU, and TPU compiled ahead of time with no TPU attached "
+                "(`jax.experimental.topologies`, libtpu from `jax[tpu]`)",
+            ),
+            "",
+            "Each step is compiled only, never run, as in `bench_scale.md`: "
+            "`jax.jit(step, donate_argnums=(0, 1), in_shardings=..., "
+            "out_shardings=...).lower(*abstract inputs).compile().memory_analysis()`; "
+            "*GiB* is argument + output − alias + temp. A TPU target with one device "
+            "is one chip of a 2x2 topology (`SingleDeviceSharding` for every input "
+            "and output); with 8, the 8-chip slice, FSDP as in `bench_scale.md`. "
+            "CPU compiles use `bench_scale.md`'s flags (the loop-invariant code "
+            "motion pass off); TPU compiles the TPU compiler's defaults. "
+            "*Compile s* is the wall time of `lower` and `compile`, on 2 shared CPU "
+            "cores: compare it only within one run.",
+            "",
+            f"Arms as in `bench_scale.md`; `projected` and `projected-8bit` are "
+            f"`qto.galore`'s plain step (`opt.value_and_grad(loss, microbatches=k)`, "
+            f"`opt.update`, `opt.apply`); `{SIMPLE_ARM}` is the step of one "
+            "microbatch written without `qto.galore`: `qt.value_and_grad` of the "
+            "loss with `qto.mark(params, state)`, "
+            "`qto.projected(qto.quantized_state(optax.adam(lr)), rank=...)`, "
+            "`qto.apply_updates`.",
+            "",
+            *targets_table(runs),
+            "",
+        ]
+    )
+
+
+def run_targets(args) -> None:
+    out = args.out or (default_out(__file__, False).with_name("bench_scale_targets.md"))
+    raw = out.with_suffix(".json")
+    saved = json.loads(raw.read_text()) if raw.exists() else {"runs": []}
+    arms = args.arms or list(QUICK_ARMS)
+    for model in args.models or QUICK_MODELS:
+        for arm in arms:
+            e = estimate(
+                MODELS[model],
+                arm,
+                accumulation=args.accumulation,
+                devices=args.devices,
+                target=args.target,
+            )
+            _log(e)
+            row = {**dataclasses.asdict(e), "command": command()}
+            saved["runs"] = [
+                r for r in saved["runs"] if _target_key(r) != _target_key(row)
+            ] + [row]
+            raw.write_text(json.dumps(saved, indent=1))
+    out.write_text(render_targets(saved))
+    print(f"wrote {out}")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the 60M model only")
@@ -1034,12 +1241,33 @@ def parse_args(argv):
     parser.add_argument(
         "--render", action="store_true", help="render the report from the saved JSON"
     )
+    parser.add_argument(
+        "--target",
+        choices=tuple(TARGETS),
+        help="compile for this target (a TPU without one: needs `jax[tpu]`), for "
+        "--models and --arms, and merge the figures into "
+        "results/bench_scale_targets.json and .md (CPU and TPU side by side)",
+    )
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS))
+    parser.add_argument("--arms", nargs="+", choices=(*ARMS, SIMPLE_ARM))
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=ACCUMULATION,
+        help=f"microbatches per step, with --target (default {ACCUMULATION})",
+    )
+    parser.add_argument(
+        "--devices", type=int, default=1, help="with --target: 1, or 8 for FSDP"
+    )
     add_out_argument(parser, __file__)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.target:
+        run_targets(args)
+        return
     if args.parts:
         model, arm = args.parts
         print(json.dumps(estimate_parts(MODELS[model], arm)))

@@ -42,6 +42,7 @@ if importlib.util.find_spec("optax") is None:
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import CompressState as CompressState, compress as compress
+from ._galore import GaLore as GaLore, galore as galore
 from ._layerwise import layerwise as layerwise
 from ._mark import mark as mark
 from ._powersgd import PowerSGDState as PowerSGDState, powersgd as powersgd
@@ -61,6 +62,7 @@ from ._specs import partition_specs as partition_specs
 
 __all__ = [
     "CompressState",
+    "GaLore",
     "LogQuantized",
     "PowerSGDState",
     "ProjectedState",
@@ -68,6 +70,7 @@ __all__ = [
     "accumulate_gradients",
     "apply_updates",
     "compress",
+    "galore",
     "layerwise",
     "lift",
     "log_quantize",

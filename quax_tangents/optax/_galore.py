@@ -1,0 +1,242 @@
+"""`galore`: the projected-training pipeline as one object whose plain step is the
+fast step.
+
+The pieces it composes (`projected`, `quantized_state`, `layerwise`, `mark`,
+`accumulate_gradients`, `apply_updates`) stay public, but which of their many
+compositions holds little memory is not something a user should have to find: the
+gradient of a step has to come from `accumulate_gradients` (which keeps only the
+small factors, one layer at a time), and the 8-bit state has to be decoded one layer's
+slice at a time (`layerwise` outside `quantized_state` outside `projected`). `GaLore`
+owns that plan.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ._accumulate import accumulate_gradients
+from ._apply import apply_updates
+from ._common import Filter, check_int
+from ._galore_leaves import DimsSpec, LeafPlan
+from ._layerwise import layerwise
+from ._mark import mark
+from ._projected import LearningRate, find_state, projected
+from ._quantized_state import quantized_state
+
+
+def _split_batch(batch: PyTree, microbatches: int) -> PyTree:
+    def split(x: Any) -> Any:
+        size = jnp.shape(x)[0] if jnp.ndim(x) else 0
+        if size % microbatches:
+            raise ValueError(
+                f"`microbatches={microbatches}` must divide the batch's leading dim, "
+                f"which is {size} for a leaf of shape {jnp.shape(x)}; pass a batch "
+                "whose every leaf leads with a multiple of it."
+            )
+        return jnp.reshape(x, (microbatches, size // microbatches, *jnp.shape(x)[1:]))
+
+    return jax.tree.map(split, batch)
+
+
+def _stacked_layers(plan: Any) -> int:
+    """The number of layers of the stacked projected leaves (their leading dim),
+    or 1 where no projected leaf is stacked."""
+    plans = jax.tree.leaves(plan, is_leaf=lambda x: isinstance(x, LeafPlan))
+    leading = [p.shape[0] for p in plans if isinstance(p, LeafPlan) and p.batch_ndim]
+    return max(leading, default=1)
+
+
+class GaLore(eqx.Module):
+    """The projected-training pipeline; see [`quax_tangents.optax.galore`][]."""
+
+    base: optax.GradientTransformation = eqx.field(static=True)
+    rank: int = eqx.field(static=True)
+    learning_rate: LearningRate = eqx.field(static=True)
+    refresh_every: int = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+    state_bits: int | None = eqx.field(static=True)
+    project: Filter = eqx.field(static=True)
+    rows: Filter = eqx.field(static=True)
+    dims: DimsSpec = eqx.field(static=True)
+    iters: int = eqx.field(static=True)
+
+    def _projected(self) -> optax.GradientTransformation:
+        return projected(
+            self.base,
+            rank=self.rank,
+            learning_rate=self.learning_rate,
+            refresh_every=self.refresh_every,
+            scale=self.scale,
+            project=self.project,
+            rows=self.rows,
+            dims=self.dims,
+        )
+
+    def _per_step(self) -> optax.GradientTransformation:
+        tx = self._projected()
+        if self.state_bits is not None:
+            tx = quantized_state(tx, bits=self.state_bits)
+        return tx
+
+    def init(self, params: PyTree) -> Any:
+        """The optimiser state for `params` (a tree of arrays, an Equinox model's
+        arrays, a Flax `nnx.State`...)."""
+        return self._per_step().init(params)
+
+    def mark(
+        self, params: PyTree, state: Any, *, key: PRNGKeyArray | None = None
+    ) -> PyTree:
+        """`params` with the marks the state calls for, inside a loss that
+        `quax_tangents.value_and_grad` differentiates ([`quax_tangents.optax.mark`][]
+        with this pipeline's `iters`). `value_and_grad` applies them itself."""
+        return mark(params, state, key=key, iters=self.iters)
+
+    def value_and_grad(
+        self,
+        loss_fn: Callable,
+        *,
+        microbatches: int = 1,
+        has_aux: bool = False,
+        shardings: PyTree | None = None,
+    ) -> Callable:
+        """`loss_fn`'s value and the gradients `update` takes.
+
+        **Arguments:**
+
+        - `loss_fn`: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with
+            `has_aux`), the mean loss of a batch, without marks.
+        - `microbatches`: split the batch (every leaf's leading dim) into this many
+            microbatches and add their gradients up inside the step
+            ([`quax_tangents.optax.accumulate_gradients`][]): the same gradient, with
+            one microbatch's activations alive at a time.
+        - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+        - `shardings`: under FSDP, the parameters' `NamedSharding`s, as for
+            `accumulate_gradients`.
+
+        **Returns:**
+
+        A function `(params, state, batch) -> (value, grads)`.
+        """
+        microbatches = check_int("microbatches", microbatches, 1)
+
+        def value_and_grad(params: PyTree, state: Any, batch: PyTree) -> Any:
+            return accumulate_gradients(
+                loss_fn,
+                params,
+                state,
+                _split_batch(batch, microbatches),
+                iters=self.iters,
+                has_aux=has_aux,
+                shardings=shardings,
+            )
+
+        return value_and_grad
+
+    def update(self, grads: PyTree, state: Any, params: PyTree) -> tuple[Any, Any]:
+        """The updates and the new state. Stacked leaves (`(layers, ...)`, a scanned
+        model's blocks) are updated one layer's slice at a time
+        ([`quax_tangents.optax.layerwise`][]), so that only one layer's state is
+        decoded from its 8-bit codes at once."""
+        return self.transformation(params, state).update(grads, state, params)
+
+    def apply(self, params: PyTree, updates: PyTree) -> PyTree:
+        """`params` plus the updates ([`quax_tangents.optax.apply_updates`][]: each
+        `LowRank` update added into its weight in one pass)."""
+        return apply_updates(params, updates)
+
+    def transformation(
+        self, params: PyTree, state: Any | None = None
+    ) -> optax.GradientTransformationExtraArgs:
+        """The pipeline's update as an optax `GradientTransformation`, for
+        `optax.chain`, `optax.MultiSteps` or an existing training loop. Its layer
+        count is read from `params` (or from `state`'s plan): the leading dim of
+        the stacked projected leaves."""
+        if state is None:
+            state = jax.eval_shape(self.init, params)
+        layers = _stacked_layers(find_state(state, "`GaLore.transformation`").plan)
+        tx = self._per_step()
+        if layers > 1:
+            tx = layerwise(tx, layers=layers)
+        return optax.with_extra_args_support(tx)
+
+
+def galore(
+    base: optax.GradientTransformation | None = None,
+    *,
+    rank: int,
+    learning_rate: LearningRate = None,
+    refresh_every: int = 200,
+    scale: float = 1.0,
+    state_bits: int | None = 8,
+    project: Filter = None,
+    rows: Filter = None,
+    dims: DimsSpec = None,
+    iters: int = 1,
+) -> GaLore:
+    """GaLore training in one object: projected gradients that are never dense,
+    `base` (Adam by default) on their small factors, its state in 8 bits, and
+    updates added into the weights, with the step written plainly:
+
+    ```python
+    opt = qto.galore(rank=128, learning_rate=1e-3, project=is_matrix)
+    state = opt.init(params)
+
+    def step(params, state, batch):
+        loss, grads = opt.value_and_grad(loss_fn)(params, state, batch)
+        updates, state = opt.update(grads, state, params)
+        return opt.apply(params, updates), state, loss
+    ```
+
+    From a step written for `optax.adam` three lines change: the optimiser, the
+    gradient (`opt.value_and_grad` in place of `jax.value_and_grad`) and the apply
+    (`opt.apply` in place of `optax.apply_updates`). `microbatches=k` in
+    `value_and_grad` accumulates `k` microbatches inside the step.
+
+    **Arguments:**
+
+    - `base`: the transformation on the small factors; `optax.scale_by_adam()`
+        unless given.
+    - `rank`: the projection's rank.
+    - `learning_rate`, `refresh_every`, `scale`, `project`, `rows`, `dims`: as for
+        [`quax_tangents.optax.projected`][].
+    - `state_bits`: 8 stores `base`'s state as 8-bit codes
+        ([`quax_tangents.optax.quantized_state`][]); `None` keeps it in float.
+    - `iters`: power iterations of the range finder on refresh steps, for the marks
+        and the accumulation alike (one makes the projector close to the top
+        singular vectors; each costs two passes over the batch on refresh steps
+        only).
+
+    **Returns:**
+
+    A [`quax_tangents.optax.GaLore`][] with `init`, `value_and_grad`, `mark`,
+    `update`, `apply` and `transformation`.
+    """
+    if base is None:
+        base = optax.scale_by_adam()
+    if not isinstance(base, optax.GradientTransformation):
+        raise TypeError(
+            f"`base` must be an optax GradientTransformation, e.g. "
+            f"`optax.scale_by_adam()`; got {type(base).__name__}."
+        )
+    if state_bits is not None and (isinstance(state_bits, bool) or state_bits != 8):
+        raise ValueError(
+            f"`state_bits` must be 8 (8-bit state) or None (float state), not "
+            f"{state_bits!r}."
+        )
+    return GaLore(
+        base=base,
+        rank=check_int("rank", rank, 1),
+        learning_rate=learning_rate,
+        refresh_every=check_int("refresh_every", refresh_every, 1),
+        scale=scale,
+        state_bits=state_bits,
+        project=project,
+        rows=rows,
+        dims=dims,
+        iters=check_int("iters", iters, 0),
+    )

@@ -1,0 +1,185 @@
+"""`qto.galore`: the pipeline's plain step is the library's fast composition (the same
+numbers, the same compiled memory), with one microbatch or many, and it refuses bad
+arguments by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import quax_tangents as qt
+import quax_tangents.optax as qto
+from tests.helpers import assert_close
+
+
+LAYERS, D, F, BATCH = 3, 8, 14, 8
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "blocks": {
+            "up": jnp.asarray(rng.standard_normal((LAYERS, D, F)), jnp.float32) * 0.3,
+            "down": jnp.asarray(rng.standard_normal((LAYERS, F, D)), jnp.float32) * 0.3,
+        },
+        "head": jnp.asarray(rng.standard_normal((D, D)), jnp.float32) * 0.3,
+    }
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return (
+        jnp.asarray(rng.standard_normal((BATCH, D)), jnp.float32),
+        jnp.asarray(rng.standard_normal((BATCH, D)), jnp.float32),
+    )
+
+
+def loss_fn(params, batch):
+    x, y = batch
+
+    def layer(h, w):
+        return h + jnp.tanh(h @ w["up"]) @ w["down"], None
+
+    h, _ = jax.lax.scan(jax.checkpoint(layer), x, params["blocks"])
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def _blocks(params):
+    return {"blocks": {"up": True, "down": True}, "head": False}
+
+
+OPT = qto.galore(rank=2, learning_rate=1e-2, refresh_every=2, project=_blocks)
+
+
+def _pipeline_step(opt, microbatches=1):
+    def step(params, state, batch):
+        loss, grads = opt.value_and_grad(loss_fn, microbatches=microbatches)(
+            params, state, batch
+        )
+        updates, state = opt.update(grads, state, params)
+        return opt.apply(params, updates), state, loss
+
+    return jax.jit(step)
+
+
+def _composed_step(microbatches=1):
+    """The composition by hand: what the pipeline stands for."""
+    tx = qto.layerwise(
+        qto.quantized_state(
+            qto.projected(
+                optax.scale_by_adam(),
+                rank=2,
+                learning_rate=1e-2,
+                refresh_every=2,
+                project=_blocks,
+            )
+        ),
+        layers=LAYERS,
+    )
+
+    def step(params, state, batch):
+        split = jax.tree.map(
+            lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch
+        )
+        loss, grads = qto.accumulate_gradients(
+            loss_fn, params, state, split, iters=1
+        )
+        updates, state = tx.update(grads, state, params)
+        return qto.apply_updates(params, updates), state, loss
+
+    return tx, jax.jit(step)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_plain_step_is_the_composed_step(microbatches):
+    params = _params()
+    tx, composed = _composed_step(microbatches)
+    ours = _pipeline_step(OPT, microbatches)
+    state_a = state_b = OPT.init(params)
+    params_a = params_b = params
+    for seed in range(3):  # refresh, keep, refresh
+        params_a, state_a, loss_a = ours(params_a, state_a, _batch(seed))
+        params_b, state_b, loss_b = composed(params_b, state_b, _batch(seed))
+        assert float(loss_a) == float(loss_b)
+        for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+            np.testing.assert_array_equal(a, b)
+    assert jax.tree.structure(tx.init(params)) == jax.tree.structure(state_a)
+
+
+def test_microbatches_give_the_full_batch_gradient():
+    params = _params()
+    state = OPT.init(params)
+    batch = _batch(0)
+    for _ in range(2):  # refresh, keep
+        _, whole = jax.jit(OPT.value_and_grad(loss_fn))(params, state, batch)
+        _, split = jax.jit(OPT.value_and_grad(loss_fn, microbatches=4))(
+            params, state, batch
+        )
+        for name in ("up", "down"):
+            assert isinstance(split["blocks"][name], qt.LowRank)
+            assert_close(split["blocks"][name], whole["blocks"][name], factor=5)
+        assert_close(split["head"], whole["head"], factor=5)
+        _, state = OPT.update(whole, state, params)
+
+
+def test_the_plain_step_compiles_to_the_composed_steps_memory():
+    # XLA:CPU's buffer assignment, compiled only: the pipeline and the hand
+    # composition are one program.
+    params = _params()
+    state = OPT.init(params)
+    batch = _batch(0)
+    _, composed = _composed_step(2)
+
+    def memory(step):
+        compiled = step.lower(params, state, batch).compile()
+        analysis = compiled.memory_analysis()
+        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+    assert memory(_pipeline_step(OPT, 2)) == memory(composed)
+
+
+def test_the_optax_view_runs_in_a_chain():
+    params = _params()
+    state = OPT.init(params)
+    _, grads = jax.jit(OPT.value_and_grad(loss_fn))(params, state, _batch(0))
+    tx = optax.chain(OPT.transformation(params))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    expected, _ = OPT.update(grads, state, params)
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(qt.materialise, updates, is_leaf=_is_lowrank)),
+        jax.tree.leaves(jax.tree.map(qt.materialise, expected, is_leaf=_is_lowrank)),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _is_lowrank(x):
+    return isinstance(x, qt.LowRank)
+
+
+def test_float_state_when_asked():
+    opt = qto.galore(rank=2, learning_rate=1e-2, project=_blocks, state_bits=None)
+    assert isinstance(OPT.init(_params()), qto.QuantizedState)
+    assert isinstance(opt.init(_params()), qto.ProjectedState)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rank": 0}, ValueError, "`rank`"),
+        ({"rank": 2.0}, TypeError, "`rank`"),
+        ({"rank": 2, "state_bits": 4}, ValueError, "`state_bits`"),
+        ({"rank": 2, "iters": -1}, ValueError, "`iters`"),
+        ({"rank": 2, "base": optax.adam}, TypeError, "`base`"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        qto.galore(**kwargs)
+
+
+def test_a_batch_that_microbatches_do_not_divide_is_named():
+    params = _params()
+    state = OPT.init(params)
+    with pytest.raises(ValueError, match="`microbatches=3`"):
+        OPT.value_and_grad(loss_fn, microbatches=3)(params, state, _batch(0))
