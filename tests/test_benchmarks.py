@@ -200,3 +200,23 @@ def test_scale_benchmark_quick(tmp_path):
     assert set(states) == {"adam", "projected-8bit"}, rows
     assert states["projected-8bit"] < states["adam"]
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_scale_benchmark_targets_table(tmp_path):
+    # `--target cpu` for one arm of the 60M model at one microbatch: the side-by-side
+    # file names its command and has the arm's row with its ratio to Adam.
+    out = tmp_path / "targets.md"
+    run_script(
+        BENCHMARKS / "bench_scale.py",
+        *("--target", "cpu", "--models", "60M", "--arms", "adam", "simple-8bit"),
+        *("--accumulation", "1", "--out", str(out)),
+    )
+    text = out.read_text()
+    assert "bench_scale.py --target cpu --models 60M" in text
+    rows = re.findall(
+        r"^\| 60M \| 1 \| 1 \| `([a-z0-9-]+)` \| ([0-9.]+) \| ([0-9.]+) \|", text, re.M
+    )
+    assert [arm for arm, _, _ in rows] == ["adam", "simple-8bit"], text
+    assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 0
+    assert (out.with_suffix(".json")).exists()

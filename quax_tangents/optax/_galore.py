@@ -176,7 +176,7 @@ def galore(
     project: Filter = None,
     rows: Filter = None,
     dims: DimsSpec = None,
-    iters: int = 1,
+    iters: int = 0,
 ) -> GaLore:
     """GaLore training in one object: projected gradients that are never dense,
     `base` (Adam by default) on their small factors, its state in 8 bits, and
@@ -207,9 +207,10 @@ def galore(
     - `state_bits`: 8 stores `base`'s state as 8-bit codes
         ([`quax_tangents.optax.quantized_state`][]); `None` keeps it in float.
     - `iters`: power iterations of the range finder on refresh steps, for the marks
-        and the accumulation alike (one makes the projector close to the top
-        singular vectors; each costs two passes over the batch on refresh steps
-        only).
+        and the accumulation alike. Each brings the projector closer to the top
+        singular vectors and costs two more passes over the batch on refresh steps;
+        it also holds more memory: at 7B (`benchmarks/bench_scale.py`, XLA:CPU) one
+        iteration takes the step from 23.2 to 27.4 GiB, hence 0 by default.
 
     **Returns:**
 
