@@ -18,20 +18,11 @@ from jaxtyping import PyTree
 from ._guard import guard, is_guard
 
 
-def _skipping_guards(filter_spec: Callable) -> Callable:
+def _guards_apart(filter_spec: Callable, on_guard: Callable[[Any], Any]) -> Callable:
+    """`filter_spec` for every leaf but a guard, `on_guard(guard)` for a guard."""
+
     def spec(f: BinaryIO, x: Any) -> Any:
-        if is_guard(x):
-            return None
-        return filter_spec(f, x)
-
-    return spec
-
-
-def _restoring_guards(filter_spec: Callable) -> Callable:
-    def spec(f: BinaryIO, x: Any) -> Any:
-        if is_guard(x):
-            return x
-        return filter_spec(f, x)
+        return on_guard(x) if is_guard(x) else filter_spec(f, x)
 
     return spec
 
@@ -72,7 +63,7 @@ def tree_serialise_leaves(
 
     Nothing.
     """
-    spec = jtu.tree_map(_skipping_guards, filter_spec)
+    spec = jtu.tree_map(lambda fs: _guards_apart(fs, lambda _: None), filter_spec)
     eqx.tree_serialise_leaves(path_or_file, pytree, filter_spec=spec, is_leaf=is_leaf)
 
 
@@ -98,7 +89,7 @@ def tree_deserialise_leaves(
 
     The restored tree, with a fresh guard in each compressed value.
     """
-    spec = jtu.tree_map(_restoring_guards, filter_spec)
+    spec = jtu.tree_map(lambda fs: _guards_apart(fs, lambda x: x), filter_spec)
     return eqx.tree_deserialise_leaves(
         path_or_file, _concrete_guards(like), filter_spec=spec, is_leaf=is_leaf
     )

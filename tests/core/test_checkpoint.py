@@ -159,6 +159,12 @@ def _projected_step(tx):
     return step
 
 
+def _projected(base):
+    return qto.projected(
+        base, rank=2, learning_rate=1e-2, refresh_every=3, project=_is_matrix
+    )
+
+
 OPTIMISERS = {
     "powersgd-int8-error": lambda: (
         optax.chain(qto.powersgd(2, error_dtype="int8"), optax.adam(1e-2)),
@@ -168,24 +174,9 @@ OPTIMISERS = {
         optax.chain(qto.compress(ft.partial(qt.top_k, k=8)), optax.sgd(0.1)),
         _dense_step,
     ),
-    "projected": lambda: (
-        qto.projected(
-            optax.scale_by_adam(),
-            rank=2,
-            learning_rate=1e-2,
-            refresh_every=3,
-            project=_is_matrix,
-        ),
-        _projected_step,
-    ),
+    "projected": lambda: (_projected(optax.scale_by_adam()), _projected_step),
     "projected-8bit": lambda: (
-        qto.projected(
-            qto.quantized_state(optax.scale_by_adam()),
-            rank=2,
-            learning_rate=1e-2,
-            refresh_every=3,
-            project=_is_matrix,
-        ),
+        _projected(qto.quantized_state(optax.scale_by_adam())),
         _projected_step,
     ),
     "adam-8bit": lambda: (qto.quantized_state(optax.adam(1e-2)), _dense_step),

@@ -79,9 +79,7 @@ def _composed_step(microbatches=1):
     )
 
     def step(params, state, batch):
-        split = jax.tree.map(
-            lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch
-        )
+        split = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
         loss, grads = qto.accumulate_gradients(loss_fn, params, state, split)
         updates, state = tx.update(grads, state, params)
         return qto.apply_updates(params, updates), state, loss
