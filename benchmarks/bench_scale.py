@@ -10,9 +10,12 @@ stacked, `lax.scan`, one `remat` per block) with bfloat16 weights, sequence leng
 - `adam-8bit`: `qto.quantized_state(optax.adam)`;
 - `galore`: `optax.contrib.galore` at the paper's rank (dense gradients, projected
   after the fact);
-- `projected`: `qto.projected` on gradients that come back projected, from
-  `qt.projected_cotangent` marks on the block matrices;
-- `projected-8bit`: the same with `qto.quantized_state`.
+- `projected`: `qto.galore(..., state_bits=None)`'s plain step: `qto.projected` on
+  gradients that come back projected, from `qt.projected_cotangent` marks on the
+  block matrices, accumulated over the microbatches;
+- `projected-8bit`: `qto.galore`'s plain step with its defaults (8-bit state);
+- `simple-8bit` (with `--accumulation 1` only): the step of one microbatch with the
+  pieces put together the plain way, without `qto.galore`.
 
 Each step is compiled with the parameters and the optimiser state donated, and never
 run: `jax.jit(step, donate_argnums=(0, 1)).lower(...).compile().memory_analysis()`,
@@ -21,6 +24,15 @@ not a GPU's measured peak.
 
     python benchmarks/bench_scale.py          # every model and arm, and FSDP on 8 devices
     python benchmarks/bench_scale.py --quick  # the 60M model only (smoke run)
+
+CPU and TPU side by side (`results/bench_scale_targets.md`): `--target` compiles the
+given models and arms for this CPU or for one chip of a TPU generation (its 8-chip
+slice with `--devices 8`) ahead of time, with no TPU attached. A TPU target needs
+libtpu, from `pip install "jax[tpu]"` (keep it out of the test environment: with it
+installed, JAX looks for a TPU first), and one process at a time can hold it:
+
+    python benchmarks/bench_scale.py --target tpu-v5e --models 1B \
+        --arms adam projected-8bit --accumulation 4
 
 XLA on CPU hoists a float32 copy of every stacked bfloat16 weight out of the scan
 (`while-loop-invariant-code-motion`); no GPU compiler does. This script turns that pass
@@ -1188,6 +1200,21 @@ def render_targets(saved: dict) -> str:
             "",
             *targets_table(runs),
             "",
+            *(
+                [
+                    "Refused by the compiler (the step does not fit the chip):",
+                    "",
+                    *(
+                        f"- {r['model']} `{r['arm']}`, {r['accumulation']} "
+                        f"microbatches, {r['devices']} device(s), {r['target']}: "
+                        f"`{r['error']}` (`{r['command']}`)"
+                        for r in saved["refused"]
+                    ),
+                    "",
+                ]
+                if saved.get("refused")
+                else []
+            ),
         ]
     )
 
@@ -1199,13 +1226,34 @@ def run_targets(args) -> None:
     arms = args.arms or list(QUICK_ARMS)
     for model in args.models or QUICK_MODELS:
         for arm in arms:
-            e = estimate(
-                MODELS[model],
-                arm,
-                accumulation=args.accumulation,
-                devices=args.devices,
-                target=args.target,
-            )
+            try:
+                e = estimate(
+                    MODELS[model],
+                    arm,
+                    accumulation=args.accumulation,
+                    devices=args.devices,
+                    target=args.target,
+                )
+            except jax.errors.JaxRuntimeError as error:
+                # The TPU compiler refuses a program whose temporaries exceed the
+                # chip's memory (CPU compiles never do): say so in the results.
+                if "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                refusal = {
+                    "model": model,
+                    "arm": arm,
+                    "target": args.target,
+                    "accumulation": args.accumulation,
+                    "devices": args.devices,
+                    "error": str(error).splitlines()[0],
+                    "command": command(),
+                }
+                print(f"{model} {arm} on {args.target}: {refusal['error']}")
+                saved["refused"] = [
+                    r for r in saved.get("refused", []) if r != refusal
+                ] + [refusal]
+                raw.write_text(json.dumps(saved, indent=1))
+                continue
             _log(e)
             row = {**dataclasses.asdict(e), "command": command()}
             saved["runs"] = [

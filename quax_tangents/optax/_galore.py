@@ -85,8 +85,23 @@ class GaLore(eqx.Module):
 
     def init(self, params: PyTree) -> Any:
         """The optimiser state for `params` (a tree of arrays, an Equinox model's
-        arrays, a Flax `nnx.State`...)."""
-        return self._per_step().init(params)
+        arrays, a Flax `nnx.State`...). A `ValueError` if `project=` and `rows=`
+        choose no leaf: the pipeline would then be plain Adam, at Adam's memory."""
+        state = self._per_step().init(params)
+        plans = jax.tree.leaves(
+            find_state(state, "`GaLore.init`").plan,
+            is_leaf=lambda x: isinstance(x, LeafPlan),
+        )
+        if not any(isinstance(plan, LeafPlan) for plan in plans):
+            raise ValueError(
+                "`qto.galore`: `project=` (and `rows=`) chose no leaf of `params`, so "
+                "no gradient would be projected. Pass a tree of bools with the "
+                "structure of `params`, or a callable given the whole tree that "
+                "returns one (e.g. `lambda p: jax.tree.map(lambda x: x.ndim == 2, p)`"
+                "); `None` projects every leaf of 2 dims or more whose smaller side "
+                "exceeds `rank`."
+            )
+        return state
 
     def mark(
         self, params: PyTree, state: Any, *, key: PRNGKeyArray | None = None

@@ -179,3 +179,10 @@ def test_a_batch_that_microbatches_do_not_divide_is_named():
     state = OPT.init(params)
     with pytest.raises(ValueError, match="`microbatches=3`"):
         OPT.value_and_grad(loss_fn, microbatches=3)(params, state, _batch(0))
+
+
+def test_a_selector_that_chooses_no_leaf_is_refused_at_init():
+    nothing = jax.tree.map(lambda _: False, _params())
+    opt = qto.galore(rank=2, learning_rate=1e-2, project=nothing)
+    with pytest.raises(ValueError, match="chose no leaf"):
+        opt.init(_params())
