@@ -86,6 +86,14 @@ def mask_flags(mask: Filter, tree: PyTree, name: str) -> list[bool] | None:
             raise TypeError(
                 f"`{name}` raised {type(error).__name__}: {error}. {hint}"
             ) from error
+        if isinstance(mask, (bool, np.bool_)) and len(jtu.tree_leaves(tree)) > 1:
+            # Written per leaf (`lambda leaf: leaf.ndim == 2` is False of a module
+            # or a dict): it would choose all leaves or none, without a word.
+            raise TypeError(
+                f"`{name}` returned the single bool {bool(mask)} for the whole "
+                f"parameter tree, which would choose all its leaves or none. {hint} "
+                f"(`{name}=None` chooses the default leaves.)"
+            )
     try:
         expanded = jtu.tree_map(
             lambda flag, subtree: jtu.tree_map(lambda _: flag, subtree), mask, tree
