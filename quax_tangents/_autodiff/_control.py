@@ -142,7 +142,7 @@ def _remat(
             differentiated=differentiated,
             policy=policy,
         )
-    body = jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ()))
+    body = jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ()))  # pyright: ignore[reportPrivateImportUsage]
     checkpointed = jax.checkpoint(
         _enter_trace(lambda *a: body(*a)), prevent_cse=prevent_cse, policy=policy
     )

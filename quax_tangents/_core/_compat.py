@@ -12,6 +12,7 @@ from importlib.metadata import version
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jexc
 from packaging.version import Version
 
