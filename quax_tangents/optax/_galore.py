@@ -31,7 +31,14 @@ from ._quantized_state import quantized_state
 
 def _split_batch(batch: PyTree, microbatches: int) -> PyTree:
     def split(x: Any) -> Any:
-        size = jnp.shape(x)[0] if jnp.ndim(x) else 0
+        if not jnp.ndim(x):
+            raise ValueError(
+                "`value_and_grad`'s batch must lead with a batch dim on every leaf "
+                f"(split `microbatches={microbatches}` ways); got a 0-d leaf. Close "
+                "over values that are not per example instead of passing them in "
+                "the batch."
+            )
+        size = jnp.shape(x)[0]
         if size % microbatches:
             raise ValueError(
                 f"`microbatches={microbatches}` must divide the batch's leading dim, "

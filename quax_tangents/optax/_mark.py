@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.tree_util as jtu
+import quax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._marks._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
@@ -36,6 +37,11 @@ class _Leaf:
     pass
 
 
+def _is_whole(x: Any) -> bool:
+    # A compressed value (or None) sits where `flatten_up_to` would put one leaf.
+    return x is None or isinstance(x, quax.Value)
+
+
 def flatten_as(treedef: Any, tree: PyTree, message: str) -> list:
     """`tree`'s leaves down to `treedef`'s, or a `ValueError` that starts with
     `message`.
@@ -46,7 +52,7 @@ def flatten_as(treedef: Any, tree: PyTree, message: str) -> list:
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as error:
-        found, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+        found, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_whole)
         if [jtu.keystr(path) for path, _ in found] == _paths(treedef):
             return [leaf for _, leaf in found]
         raise ValueError(f"{message}: {error}") from error

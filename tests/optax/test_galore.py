@@ -186,3 +186,12 @@ def test_a_selector_that_chooses_no_leaf_is_refused_at_init():
     opt = qto.galore(rank=2, learning_rate=1e-2, project=nothing)
     with pytest.raises(ValueError, match="chose no leaf"):
         opt.init(_params())
+
+
+def test_a_batch_leaf_without_a_batch_dim_is_named():
+    params = _params()
+    state = OPT.init(params)
+    with pytest.raises(ValueError, match="0-d leaf"):
+        OPT.value_and_grad(lambda p, b: loss_fn(p, b[0]))(
+            params, state, (_batch(0), jnp.float32(1.0))
+        )
