@@ -502,13 +502,15 @@ def estimate(
     received = received_keep = 0.0
     if devices > 1:
         # Each collective's count is the product of its loops' trip counts; the
-        # projected step's refresh, a loop of zero or one trips, runs once or not.
+        # projected step's refresh is the true branch of a `lax.cond` (1), a step
+        # that keeps the projectors the false one (0). Programs without a
+        # conditional count the same either way.
         received, received_keep = (
             sum(
                 qt.received_bytes(c, devices)
-                for c in qt.collectives(compiled, unknown_trips=trips)
+                for c in qt.collectives(compiled, branch=branch)
             )
-            for trips in (1, 0)
+            for branch in (1, 0)
         )
     return Estimate(
         config.name,
@@ -549,13 +551,16 @@ def target_devices(target: str, devices: int) -> list:
     )
 
 
-def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
-    """A projected arm's step in three compiled pieces, each its `temp` bytes (the
+def estimate_parts(
+    config: LlamaConfig, arm: str, target: str = "cpu"
+) -> dict[str, float]:
+    """A projected arm's step in four compiled pieces, each its `temp` bytes (the
     buffers XLA adds beyond inputs and outputs): `gradients`
     (`qto.accumulate_gradients` over the microbatches, the state donated), `update`
-    (the transformation's `update`, its state donated) and `update_apply` (`update`
-    then `qto.apply_updates`, state and parameters donated). It attributes the
-    step's total to its parts."""
+    (the transformation's `update`, its state donated), `apply`
+    (`qto.apply_updates`, the parameters donated) and `update_apply` (`update`
+    then `qto.apply_updates`, state and parameters donated), compiled for `target`
+    (one chip). It attributes the step's total to its parts."""
     params, state, tokens = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
     tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config)
@@ -566,24 +571,37 @@ def estimate_parts(config: LlamaConfig, arm: str) -> dict[str, float]:
     def update(grads, state, params):
         return tx.update(grads, state, params)
 
+    def apply(updates, params):
+        return qto.apply_updates(params, updates)
+
     def update_apply(grads, state, params):
         updates, state = tx.update(grads, state, params)
         return qto.apply_updates(params, updates), state
 
-    grads = jax.eval_shape(gradients, params, state, tokens)[1]
+    with qt.fallback("silent"):
+        grads = jax.eval_shape(gradients, params, state, tokens)[1]
+        updates = jax.eval_shape(update, grads, state, params)[0]
     pieces = {
         # The state is donated as in the step: a refresh writes the new projectors
         # over the old ones.
         "gradients": (gradients, (params, state, tokens), (1,)),
         "update": (update, (grads, state, params), (1,)),
+        "apply": (apply, (updates, params), (1,)),
         "update_apply": (update_apply, (grads, state, params), (1, 2)),
     }
+    jit_kwargs = {}
+    if target != "cpu":
+        one = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
+        jit_kwargs = {"in_shardings": one, "out_shardings": one}
     found = {}
     with qt.fallback("silent"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers")
         for name, (fn, args, donate) in pieces.items():
-            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            start = time.perf_counter()
+            jitted = jax.jit(fn, donate_argnums=donate, **jit_kwargs)
+            compiled = jitted.lower(*args).compile()
             found[name] = compiled.memory_analysis().temp_size_in_bytes
+            found[f"{name}_compile_s"] = time.perf_counter() - start
     return found
 
 
@@ -710,44 +728,25 @@ def breakdown(results: list[Estimate], models: list[str]) -> list[str]:
     return lines
 
 
-# The projected-8bit totals measured by this script on the library's path before
-# `qto.layerwise` and the in-place accumulation (commit 638cd72, `python
-# benchmarks/bench_scale.py --one MODEL projected-8bit`), and those of an earlier,
-# hand-written step (marks inside the scan body, a loop decoding one layer's 8-bit
-# state at a time; commit 27249bb), in GiB.
-BEFORE_TOTALS = {"1B": 10.18, "7B": 49.22}
-HAND_WRITTEN_TOTALS = {"1B": 6.96, "7B": 31.59}
-# And the totals on the library's path before the model's backward scan projected each
-# layer's gradient as it is made and before the loops' buffers were made when their
-# inputs exist (commit 6f9d664, `--one MODEL projected-8bit`), in GiB.
-BEFORE_LAYER_BY_LAYER = {"1B": 8.13, "7B": 37.02}
-# And before the refresh wrote the new projectors over the old ones in place and
-# `layerwise` passed the gradient's projector through as the new state (commit
-# 58ab57c, `--one MODEL projected-8bit`), in GiB.
-BEFORE_IN_PLACE_PROJECTORS = {"1B": 5.60, "7B": 26.31}
-
-
-def mark_factor_bytes(config: LlamaConfig) -> int:
-    """Bytes of the factors a mark keeps per microbatch when its cotangent is
-    finished after the model's backward scan rather than layer by layer in it: each
-    stacked block matrix's `OuterSum`, its input and output cotangent for every
-    token of every layer, in bfloat16."""
-    tokens = MICROBATCH * SEQ
-    sides = sum(sum(matrix_shape(config, name)) for name in MATRICES)
-    return 2 * tokens * sides * config.layers
+# The projected-8bit totals (4 microbatches) of the CPU-tuned path this plain one
+# replaced: bfloat16 carried as uint16 bits, "not before" ties, a refresh in a loop of
+# zero or one trips, a multiply-reduce `apply_updates` (commit 5962a85, `python
+# benchmarks/bench_scale.py --target TARGET --models MODEL --arms projected-8bit`),
+# in GiB, per target.
+TUNED_TOTALS = {
+    "1B": {"cpu": 4.85, "tpu-v5e": 10.81, "tpu-v5p": 10.44},
+    "7B": {"cpu": 23.20, "tpu-v5p": 35.31},
+}
 
 
 def peak_bytes(config: LlamaConfig) -> dict[str, int]:
-    """Bytes, from shapes, of what the projected step holds at its peak beyond its
-    arguments (in its last pass over the microbatches): the running sums of the
-    factors, in bfloat16, and what XLA on CPU keeps in float32 for bfloat16 matmuls
-    and scatters: one layer's block weights, the head, and the embedding
-    gradient's scatter target."""
+    """Bytes, from shapes, of what the projected step holds beyond its arguments
+    at least: the running sums of the factors, in bfloat16, and one layer's block
+    weights in float32 (a layer's work in `update` and `apply_updates`)."""
     shapes = [matrix_shape(config, name) for name in MATRICES]
     return {
         "sums": sum(2 * config.layers * max(s) * config.rank for s in shapes),
         "layer": sum(4 * s[0] * s[1] for s in shapes),
-        "table": 4 * config.vocab * config.hidden,
     }
 
 
@@ -757,7 +756,8 @@ def _parts_line(model: str, r: Estimate, parts: dict) -> str:
         f"- **{model}, by piece** (`python benchmarks/bench_scale.py --parts "
         f"{model} {r.arm}`: the temp bytes of each piece compiled alone): "
         f"`qto.accumulate_gradients` {p['gradients']:.2f} GiB, the transformation's "
-        f"`update` {p['update']:.2f} GiB, `update` then `qto.apply_updates` "
+        f"`update` {p['update']:.2f} GiB, `qto.apply_updates` "
+        f"{p.get('apply', float('nan')):.2f} GiB, `update` then `qto.apply_updates` "
         f"{p['update_apply']:.2f} GiB."
     )
 
@@ -773,61 +773,32 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
     config = MODELS["7B"]
     floor = r.weights + r.state + r.gradients + r.activations
     peak = peak_bytes(config)
-    then = ", ".join(
-        f"{m} {BEFORE_TOTALS[m]:.2f} GiB, now {_gib(_find(results, m, r.arm).total)}"
-        for m in ("1B", "7B")
-        if m in models
-    )
-    hand = ", ".join(f"{m} {v:.2f} GiB" for m, v in HAND_WRITTEN_TOTALS.items())
-    layer_by_layer = ", ".join(
-        f"{m} {BEFORE_LAYER_BY_LAYER[m]:.2f} GiB" for m in ("1B", "7B") if m in models
-    )
-    in_place = ", ".join(
-        f"{m} {BEFORE_IN_PLACE_PROJECTORS[m]:.2f} GiB"
+    tuned = "; ".join(
+        f"{m}: " + ", ".join(f"{t} {v:.2f} GiB" for t, v in TUNED_TOTALS[m].items())
         for m in ("1B", "7B")
         if m in models
     )
     lines = [
-        "- **The library's path.** `qto.layerwise` runs the 8-bit transformation one "
-        "layer's slice at a time (and one slice of the embedding's and the head's "
-        "rows), writing the state and the updates in place, each update over the "
-        "gradient it replaces; `qto.accumulate_gradients` adds each microbatch's "
-        "projection into the running sum in place: the backward pass of the "
-        "model's scan over layers projects each layer's gradient as soon as it is "
-        "made and writes it over that layer's slice of the sum (and so for the "
-        "sketches of a refresh step's first pass), so that one layer's factors are "
-        "alive at a time, not every layer's; it draws each layer's test matrix "
-        "inside the pass on refresh steps; a refresh step (a `lax.while_loop` "
-        "of zero or one trips) writes the new projectors over the old ones in "
-        "place, the range finder's basis too, and `layerwise` returns the "
-        "gradient's projector as the new state rather than carrying the old one "
-        "through its loop; and the loops of a refresh step and of `layerwise` make "
-        "their buffers when their inputs exist (XLA on CPU otherwise made every "
-        "loop's output at the start of the step and held it through every pass "
-        "before). Projected-8bit totals before `layerwise` and the in-place sums: "
-        f"{then}; before the layer-by-layer projection and the late buffers: "
-        f"{layer_by_layer}; before the in-place projectors (when the refresh was a "
-        "`lax.cond`, whose kept branch copied every projector into its output, "
-        "and whose refresh branch held the basis beside the old projectors): "
-        f"{in_place}. An earlier hand-written step reached {hand}.",
+        "- **The library's path, written plainly.** `qto.accumulate_gradients` "
+        "adds each microbatch's projection into a running sum of the small "
+        "factors: the backward pass of the model's scan over layers projects each "
+        "layer's gradient as it is made and adds it into that layer's slice of the "
+        "sum, so that one layer's factors are alive at a time. A refresh step is "
+        "the true branch of a `lax.cond`: a pass adds up the sketches, a second "
+        "the products with their orthonormal basis, which give both the new "
+        "projectors and the step's factors. `qto.layerwise` runs the 8-bit "
+        "transformation one layer's slice at a time; `qto.apply_updates` adds each "
+        "layer's `left @ right.T` (a float32 matmul) into its slice of the donated "
+        f"weight. The running sums are {_gib(peak['sums'])} GiB at 7B and one "
+        f"layer's block weights in float32 {_gib(peak['layer'])} GiB (from shapes). "
+        "The CPU-tuned path this replaced (bfloat16 carried as its bits, ordering "
+        "ties, a refresh loop of zero or one trips, a multiply-reduce apply) "
+        f"held {tuned} (`TUNED_TOTALS`): less on CPU, more on each TPU compile.",
     ]
     for model, parts in sorted(extra.get("parts", {}).items()):
         if model in models:
             lines.append(_parts_line(model, _find(results, model, r.arm), parts))
     return lines + [
-        "- **Where the temp bytes go at 7B** (read from XLA's buffer assignment, "
-        "`--xla_dump_to`, of the step): the peak is in the step's last pass over "
-        "the microbatches (the one that gives the factors; a refresh step's "
-        "passes before it hold no more, its basis's first `rank` columns sitting "
-        "in the old projectors' buffers), which holds the running sums of the "
-        f"factors ({_gib(peak['sums'])} GiB, from shapes) and the float32 copies "
-        "that XLA on CPU makes for bfloat16 matmuls and scatters: one layer's "
-        f"block weights ({_gib(peak['layer'])} GiB), the head and the embedding "
-        f"gradient's scatter target (each {_gib(peak['table'])} GiB); a GPU "
-        "computes these in bfloat16. Before the layer-by-layer projection, each "
-        "block matrix's input and output cotangent for every token of every layer "
-        "were kept from the backward scan until the projection "
-        f"({_gib(mark_factor_bytes(config))} GiB per microbatch, from shapes).",
         "- **The floor.** Weights, 8-bit state, one copy of the gradients and the "
         f"saved activations come to {_gib(floor)} GiB at 7B, "
         f"{floor / adam.total:.3f}x of BF16 Adam's total, before a temporary: "
@@ -1086,11 +1057,11 @@ def report(
             "because its total is, not because more of it is held whole. XLA on CPU "
             "all-reduces each layer's factors whole before keeping the device's "
             "share (neither arm's compiled step has a reduce-scatter). Received "
-            "bytes are read from the compiled HLO with the refresh loop (zero or "
-            "one trips) counted as not run (`qt.collectives(..., unknown_trips=0)`, "
-            "a step that keeps the projectors, 199 steps in 200 here) and as run "
-            "(`unknown_trips=1`: the refresh makes three passes over the "
-            "microbatches before the step's own); Adam's step has no such loop. "
+            "bytes are read from the compiled HLO with the refresh branch counted "
+            "as not taken (`qt.collectives(..., branch=0)`, a step that keeps the "
+            "projectors, 199 steps in 200 here) and as taken (`branch=1`: the "
+            "refresh makes two passes over the microbatches in place of the "
+            "step's one); Adam's step has no such branch. "
             "They are all-reduces of whole factors where a GPU's compiler would "
             "reduce-scatter.",
             "",
@@ -1222,7 +1193,12 @@ def render_targets(saved: dict) -> str:
 def run_targets(args) -> None:
     out = args.out or (default_out(__file__, False).with_name("bench_scale_targets.md"))
     raw = out.with_suffix(".json")
-    saved = json.loads(raw.read_text()) if raw.exists() else {"runs": []}
+
+    def load() -> dict:
+        # Read afresh before each write: a CPU and a TPU run may share the file.
+        return json.loads(raw.read_text()) if raw.exists() else {"runs": []}
+
+    saved = load()
     arms = args.arms or list(QUICK_ARMS)
     for model in args.models or QUICK_MODELS:
         for arm in arms:
@@ -1249,6 +1225,7 @@ def run_targets(args) -> None:
                     "command": command(),
                 }
                 print(f"{model} {arm} on {args.target}: {refusal['error']}")
+                saved = load()
                 saved["refused"] = [
                     r for r in saved.get("refused", []) if r != refusal
                 ] + [refusal]
@@ -1256,6 +1233,7 @@ def run_targets(args) -> None:
                 continue
             _log(e)
             row = {**dataclasses.asdict(e), "command": command()}
+            saved = load()
             saved["runs"] = [
                 r for r in saved["runs"] if _target_key(r) != _target_key(row)
             ] + [row]
@@ -1313,12 +1291,12 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.target:
+    if args.target and not args.parts:
         run_targets(args)
         return
     if args.parts:
         model, arm = args.parts
-        print(json.dumps(estimate_parts(MODELS[model], arm)))
+        print(json.dumps(estimate_parts(MODELS[model], arm, args.target or "cpu")))
         return
     if args.one:
         model, arm = args.one

@@ -2,4 +2,4 @@
 default rules (`_base`), the one place a value may become dense (`_fallback`), the
 rule registry (`_registry`), input checks (`_validate`), rule outputs built without
 checks (`_unchecked`), the guard leaf against leafwise arithmetic (`_guard`), and
-small helpers for rules (`_lax`, `_inplace`)."""
+small helpers for rules (`_lax`)."""

@@ -118,7 +118,7 @@ def _strip_layout(shape: str) -> str:
 
 
 def collectives_in_hlo(
-    hlo: str, *, unknown_trips: int | None = None
+    hlo: str, *, unknown_trips: int | None = None, branch: int | None = None
 ) -> list[Collective]:
     """Every collective instruction of an HLO module's text (`compiled.as_text()`),
     in order, with its operands' shapes looked up from their definitions.
@@ -126,7 +126,9 @@ def collectives_in_hlo(
     An instruction inside a loop body is listed once, with the number of times it
     runs per call of the module as its `count` (see [`quax_tangents.Collective`][]);
     a loop whose trip count XLA does not know counts as `unknown_trips` trips, or
-    makes the count `None`.
+    makes the count `None`. Every branch of a conditional counts as run, or with
+    `branch` only that one (its index: 0 for `lax.cond`'s false branch, 1 for its
+    true branch).
     """
     shapes: dict[str, str] = {}
     calls: list[tuple[str, str, str, str | None]] = []
@@ -148,7 +150,7 @@ def collectives_in_hlo(
         kind = opcode.removesuffix("-start")
         if kind in _COLLECTIVES and "(" in call:
             calls.append((kind, name, call, computation))
-    counts = computation_counts(hlo, unknown_trips)
+    counts = computation_counts(hlo, unknown_trips, branch)
     found = []
     for kind, name, call, where in calls:
         operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
@@ -172,16 +174,27 @@ def _computation_header(line: str) -> tuple[bool, str] | None:
     return bool(match.group(1)), match.group(2)
 
 
-def _callees(line: str, unknown_trips: int | None) -> list[tuple[str, int | None]]:
+def _callees(
+    line: str, unknown_trips: int | None, branch: int | None = None
+) -> list[tuple[str, int | None]]:
     """The computations an instruction line calls, each with how many times it runs
     per run of the instruction (`unknown_trips` for a loop whose trip count XLA does
-    not know)."""
+    not know; for a conditional, 1 for every branch, or with `branch` 1 for that
+    branch and 0 for the others)."""
     match = _INSTRUCTION.match(line)
     call = _split_shape(match.group(2).strip())[1] if match else ""
     if call.startswith("while("):
         trip = _TRIP_COUNT.search(line)
         trips = int(trip.group(1)) if trip else unknown_trips
         return [(str(name), trips) for _, name in _WHILE_PARTS.findall(line)]
+    if call.startswith("conditional(") and branch is not None:
+        listed = _CALLEE_LIST.search(line)
+        if listed:
+            names = [n.strip().lstrip("%") for n in listed.group(1).split(",")]
+        else:  # a predicate's two computations: `false` is branch 0, `true` 1
+            found = dict(re.findall(r"\b(true|false)_computation=%?([\w.\-]+)", line))
+            names = [found["false"], found["true"]]
+        return [(n, int(k == branch)) for k, n in enumerate(names) if n]
     found: list[tuple[str, int | None]] = [(n, 1) for n in _CALLEE.findall(line)]
     for names in _CALLEE_LIST.findall(line):
         found += [(n.strip().lstrip("%"), 1) for n in names.split(",") if n.strip()]
@@ -189,7 +202,7 @@ def _callees(line: str, unknown_trips: int | None) -> list[tuple[str, int | None
 
 
 def computation_counts(
-    hlo: str, unknown_trips: int | None = None
+    hlo: str, unknown_trips: int | None = None, branch: int | None = None
 ) -> dict[str, int | None]:
     """How many times each computation of an HLO module runs per call of its entry
     computation: the sum over its call sites of the caller's count times the trip
@@ -206,7 +219,7 @@ def computation_counts(
             edges[current] = []
             entry = current if is_entry else entry
         elif current is not None and _INSTRUCTION.match(line):
-            edges[current] += _callees(line, unknown_trips)
+            edges[current] += _callees(line, unknown_trips, branch)
     if entry is None:
         return {}
     order: list[str] = []  # Callers before callees: reversed depth-first post-order.
@@ -236,6 +249,7 @@ def collectives(
     fn: Callable[..., Any],
     *args: Any,
     unknown_trips: int | None = None,
+    branch: int | None = None,
     **kwargs: Any,
 ) -> list[Collective]:
     """Lowers and compiles `fn(*args, **kwargs)` and lists its collectives with the
@@ -258,10 +272,12 @@ def collectives(
     - `*args`, `**kwargs`: example arguments (arrays, or `jax.ShapeDtypeStruct`s with
         their shardings).
     - `unknown_trips`: the trips to count for a loop whose trip count XLA does not
-        know; an upper bound on them gives an upper bound on each `count`. A step
-        with [`quax_tangents.optax.accumulate_gradients`][] refreshes its projectors
-        in a loop of zero or one trips: `unknown_trips=1` counts a refresh on every
-        step.
+        know; an upper bound on them gives an upper bound on each `count`.
+    - `branch`: count only this branch of every conditional (`lax.cond`, whose
+        false branch is 0 and true branch 1); `None` counts every branch as run, an
+        upper bound. A step with [`quax_tangents.optax.accumulate_gradients`][]
+        refreshes its projectors in the true branch of a `lax.cond`: `branch=1`
+        counts a refresh step, `branch=0` a step that keeps them.
 
     **Returns:**
 
@@ -279,7 +295,15 @@ def collectives(
         raise ValueError(
             f"`unknown_trips` must be a non-negative int or None, got {unknown_trips!r}."
         )
-    read = functools.partial(collectives_in_hlo, unknown_trips=unknown_trips)
+    if branch is not None and (
+        isinstance(branch, bool) or not isinstance(branch, int) or branch < 0
+    ):
+        raise ValueError(
+            f"`branch` must be a non-negative int or None, got {branch!r}."
+        )
+    read = functools.partial(
+        collectives_in_hlo, unknown_trips=unknown_trips, branch=branch
+    )
     if isinstance(fn, jax.stages.Compiled):
         return read(_text(fn.as_text()))
     if isinstance(fn, jax.stages.Lowered):

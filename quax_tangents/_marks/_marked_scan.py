@@ -27,7 +27,6 @@ import numpy as np
 import quax
 
 from .._core._compat import scan_counts
-from .._core._inplace import as_bits, from_bits
 from .._distributed._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
@@ -304,33 +303,33 @@ def _backward_projected(
     float_positions = [i for i, d in enumerate(diff) if d]
 
     def back_step(acc: tuple, inp: tuple) -> tuple:
-        ct_k, ct_c, bits = acc
+        ct_k, ct_c, running = acc
         index, carry_t, x_t, ct_y_t = inp
         inputs = [*consts, *carry_t, *x_t]
         in_cts = _iteration_cotangents(
             body, metas, float_positions, inputs, nk, ct_k, ct_y_t
         )
-        new_bits = []
-        for i, b in zip(pushed, bits):
+        new_sums = []
+        for i, b in zip(pushed, running):
             projector, total = sums[i]
             take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
-            old = from_bits(take(b), total.dtype)
+            old = take(b)
             factor = projected_factor(in_cts[i], take(projector), old, specs[i])
             layout = drop_leading(specs[i].layout, 1)
-            new = as_bits(constrain(factor.astype(total.dtype), layout))
-            new_bits.append(jax.lax.dynamic_update_index_in_dim(b, new, index, 0))
+            new = constrain(factor.astype(total.dtype), layout)
+            new_sums.append(jax.lax.dynamic_update_index_in_dim(b, new, index, 0))
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
         new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
         ct_x = [in_cts[nc + nk + i] for i in xs_diff]
-        return (new_ct_k, new_ct_c, new_bits), ct_x
+        return (new_ct_k, new_ct_c, new_sums), ct_x
 
     float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
     init = (
         [ct_carry[i] for i in carry_diff],
         [jnp.zeros_like(arrays[i]) for i in const_dense],
-        [as_bits(sums[i][1]) for i in pushed],
+        [sums[i][1] for i in pushed],
     )
-    (ct_k, ct_c, bits), ct_xs = jax.lax.scan(
+    (ct_k, ct_c, running), ct_xs = jax.lax.scan(
         back_step,
         init,
         (jnp.arange(options["length"]), list(carries), xs, float_ct_ys),
@@ -341,9 +340,9 @@ def _backward_projected(
     result: list[Any] = [None] * len(arrays)
     for i, ct in zip(const_dense, ct_c):
         result[i] = ct
-    for i, b in zip(pushed, bits):
+    for i, b in zip(pushed, running):
         projector, total = sums[i]
-        factor = from_bits(b, total.dtype)
+        factor = b
         left = _projector_left(arrays[i])
         if specs[i].source == "sketch_key_into":
             omega = _test_matrices(specs[i], projector, jnp.shape(arrays[i]))

@@ -31,7 +31,6 @@ from .._autodiff._primitives import (
     _outer_dense,
 )
 from .._core._fallback import record_densification
-from .._core._inplace import as_bits, from_bits
 from .._core._registry import rule
 from .._core._unchecked import unchecked
 from .._distributed import _sharding
@@ -306,15 +305,15 @@ def _into_slices(fn: Callable, batch_ndim: int, layout: Any = None) -> Callable:
 
         def body(i: Any, buffer: Any) -> Any:
             take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-            old = from_bits(take(buffer), total.dtype)
+            old = take(buffer)
             out = fn(*[take(a) for a in arrays], take(projector), old)
             left_side.append(out.projector_side == "left")
             factor = out.right if left_side[-1] else out.left
-            new = as_bits(constrain(factor.astype(total.dtype), slice_layout))
+            new = constrain(factor.astype(total.dtype), slice_layout)
             return jax.lax.dynamic_update_index_in_dim(buffer, new, i, 0)
 
-        sums = jax.lax.fori_loop(0, start.shape[0], body, as_bits(start))
-        sums = from_bits(sums, total.dtype).reshape(total.shape)
+        sums = jax.lax.fori_loop(0, start.shape[0], body, start)
+        sums = sums.reshape(total.shape)
         basis = projector.reshape(*batch, *projector.shape[1:]).astype(total.dtype)
         if left_side[0]:
             return unchecked(LowRank, left=basis, right=sums, projector_side="left")

@@ -19,10 +19,8 @@ of `G`, which only needs products with `G`, and so sums of products with each `G
 
 That is the full batch's range finder, step for step; only the order of additions
 differs. (Written for `m <= n`; a tall weight is projected on its columns, `G^T`.)
-A refresh step runs steps 1-3 in a `lax.while_loop` of zero or one trips, which
-updates the projectors in place: as `lax.cond` branches, a step that keeps them
-copied every projector into the branch's output, and a refresh step held `Q`
-beside the old projector's buffer.
+A refresh step runs steps 1-3 in the true branch of a `lax.cond`, then step 4 as
+every step does: `4 + 2 * iters` passes.
 """
 
 import functools
@@ -37,7 +35,6 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
-from .._core._inplace import zeros_after
 from .._core._unchecked import unchecked
 from .._distributed._layout import constrain, factor_layout
 from .._distributed._sharding import (
@@ -75,10 +72,8 @@ def _in_place_per_matrix(fn: Any, xs: tuple, layout: Any = None) -> Array:
     """`fn` of each matrix in the last two dims of `xs`, one after another, each
     result (of the shape and dtype of a matrix of `xs[0]`) written over that matrix
     of `xs[0]`: the float32 work is one matrix's size, and the only stack-sized
-    buffer is the one `xs[0]` already holds. (A loop that adds into the slices of a
-    bfloat16 stack would copy it on CPU, see `quax_tangents._core._inplace`; one
-    that writes a product computed from a slice does not.) `layout`: the stack's
-    sharding, or None (a loop's buffer is replicated unless constrained)."""
+    buffer is the one `xs[0]` already holds. `layout`: the stack's sharding, or
+    None (a loop's buffer is replicated unless constrained)."""
     batch = xs[0].shape[:-2]
     if not batch:
         return fn(*xs)
@@ -290,12 +285,8 @@ def _pass(
         rows = [None if add else x for x, add in zip(parts, summed)]
         return (loss_sum + loss, sums), (aux, rows)
 
-    # Made once this pass's projectors exist, not at the start of every pass.
-    after = [m[1] for m in modes if m is not None and _is_float(m[1])]
     zeros = [
-        constrain(
-            zeros_after(s.shape, s.dtype, after[0] if after else None), layout(k, s)
-        )
+        constrain(jnp.zeros(s.shape, s.dtype), layout(k, s))
         if add and s is not None
         else None
         for k, (s, add) in enumerate(zip(shapes[2], summed))
@@ -550,17 +541,17 @@ def accumulate_gradients(
         return new
 
     if key_of:
-        # A loop of zero or one trips, not `lax.cond`: the new projectors are
-        # written over the old ones in place, where a `cond`'s outputs would be new
-        # buffers and a step that keeps the projectors would copy every one of them.
-        def refresh_once(carry: tuple) -> tuple:
-            _, current = carry
-            return jnp.zeros([], bool), fresh(current)
-
-        _, projectors = jax.lax.while_loop(
-            lambda carry: carry[0],
-            refresh_once,
-            (jnp.asarray(inner.refresh, bool), projectors),
+        # The refresh is the true branch of a `lax.cond`; the pass with the new
+        # projectors (or the kept ones) follows it. Computing the step's factors
+        # from the refresh's own last pass instead (`B U`, two passes in all) held
+        # more: 8.29 against 6.81 GiB at 1B for one TPU v5e chip
+        # (`benchmarks/bench_scale.py --target tpu-v5e --models 1B`), its branch
+        # holding the basis, its products, the projectors and the factors at once.
+        projectors = jax.lax.cond(
+            jnp.asarray(inner.refresh, bool),
+            fresh,
+            lambda current: list(current),
+            list(projectors),
         )
     matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
     loss, aux, factors = run(given(matrices))

@@ -230,9 +230,9 @@ def galore(
         ([`quax_tangents.optax.quantized_state`][]); `None` keeps it in float.
     - `iters`: power iterations of the range finder on refresh steps, for the marks
         and the accumulation alike. Each brings the projector closer to the top
-        singular vectors and costs two more passes over the batch on refresh steps;
-        it also holds more memory: at 7B (`benchmarks/bench_scale.py`, XLA:CPU) one
-        iteration takes the step from 23.2 to 27.4 GiB, hence 0 by default.
+        singular vectors and costs two more passes over the batch on refresh steps
+        (two more copies of the model's pass in the compiled step, which lengthen
+        its compile), hence 0 by default.
 
     **Returns:**
 

@@ -15,7 +15,6 @@ from jax import lax
 from jaxtyping import PyTree
 
 from .._core._guard import guard, is_guard
-from .._core._inplace import as_bits, bits_dtype, from_bits, zeros_after
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -50,7 +49,6 @@ class _Rows(NamedTuple):
         return lax.dynamic_slice_in_dim(x, self.start(layer), self.size, axis=0)
 
     def write(self, buffer: Any, value: Any, layer: Any) -> Any:
-        value = as_bits(value)
         start = self.start(layer)
         if not self.even:
             fresh = start + jnp.arange(self.size) >= layer * self.size
@@ -96,9 +94,7 @@ def layerwise(
     way. The state has the structure `tx.init(params)` gives; `layerwise` only
     changes how the update is computed.
 
-    Bfloat16 slices are carried through the loop as their bits (`uint16`), which
-    XLA on CPU writes in place (it copies a bfloat16 array whole to update a slice);
-    the bitcast costs nothing elsewhere. A split leaf's updates that are the
+    A split leaf's updates that are the
     gradient's own arrays (the projector of a `LowRank` update) are not copied.
     With `quantized_state`'s stochastic rounding, each slice draws its rounding
     noise as if it were the whole leaf: every entry is still rounded without bias,
@@ -328,7 +324,7 @@ class _Loop:
         g = [
             a
             if r is None
-            else from_bits(r.read(sources[k], layer), a.dtype)
+            else r.read(sources[k], layer)
             if k in sources
             else r.read(a, layer)
             for k, (a, r) in enumerate(zip(self.arrays, self.array_rows))
@@ -355,9 +351,7 @@ class _Loop:
         # passes through are not carried, and read from before the step too (a
         # slice is only written in its own iteration, so both give the same).
         return [
-            old
-            if r is None
-            else from_bits(r.read(as_bits(old) if x is None else x, layer), old.dtype)
+            old if r is None else r.read(old if x is None else x, layer)
             for x, old, r in zip(carried, self.state_leaves, self.state_rows)
         ]
 
@@ -449,28 +443,17 @@ class _Loop:
     def run(self) -> tuple[PyTree, Any]:
         self._outputs()
         pairs = self._pairs()
-        # The loop's starting buffers are made once the gradients exist, not at the
-        # start of the step and through the gradient pass (see `_inplace`).
-        late = next(
-            (a for a in self.arrays if jnp.issubdtype(a.dtype, jnp.floating)), None
-        )
         initial_state = [
-            None if p is not None else x if r is None else as_bits(x, after=late)
-            for x, r, p in zip(
-                self.state_leaves, self.state_rows, self.state_passthrough
-            )
+            None if p is not None else x
+            for x, p in zip(self.state_leaves, self.state_passthrough)
         ]
         initial_out = [
             None
             if p is not None
-            else as_bits(self.arrays[pairs[o]])
+            else self.arrays[pairs[o]]
             if o in pairs
-            else zeros_after(
-                f.shape, f.dtype if r is None else bits_dtype(f.dtype), late
-            )
-            for o, (f, r, p) in enumerate(
-                zip(self.full_out, self.out_rows, self.passthrough)
-            )
+            else jnp.zeros(f.shape, f.dtype)
+            for o, (f, p) in enumerate(zip(self.full_out, self.passthrough))
         ]
 
         def body(layer: Any, carry: tuple) -> tuple:
@@ -495,24 +478,16 @@ class _Loop:
             0, self.layers, body, (initial_state, initial_out)
         )
         final_state = [
-            self.arrays[p]
-            if p is not None
-            else x
-            if r is None
-            else from_bits(x, old.dtype)
-            for x, old, r, p in zip(
-                final_state, self.state_leaves, self.state_rows, self.state_passthrough
-            )
+            self.arrays[p] if p is not None else x
+            for x, p in zip(final_state, self.state_passthrough)
         ]
         final_out = [
             guard(f.shape[:-2])
             if p == "guard"
             else self.arrays[cast(int, p)]
             if p is not None
-            else (x if r is None else from_bits(x, f.dtype))
-            for x, f, r, p in zip(
-                final_out, self.full_out, self.out_rows, self.passthrough
-            )
+            else x
+            for x, f, p in zip(final_out, self.full_out, self.passthrough)
         ]
         return (
             jtu.tree_unflatten(self.out_def, final_out),

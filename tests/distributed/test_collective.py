@@ -701,6 +701,57 @@ def test_collectives_in_loops_count_once_per_iteration():
     assert twice["cp"] == 2
 
 
+_BRANCHED_HLO = """\
+HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%keep (k: f32[8]) -> f32[8] {
+  %k = f32[8]{0} parameter(0)
+  ROOT %kept = f32[8]{0} all-reduce(%k), replica_groups={}, to_apply=%add
+}
+
+%refresh (r: f32[8]) -> f32[8] {
+  %r = f32[8]{0} parameter(0)
+  %first = f32[8]{0} all-reduce(%r), replica_groups={}, to_apply=%add
+  ROOT %second = f32[8]{0} all-reduce(%first), replica_groups={}, to_apply=%add
+}
+
+%chosen (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %picked = f32[8]{0} all-gather(%c), dimensions={0}
+}
+
+ENTRY %main (x: f32[8], i: s32[], p: pred[]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %i = s32[] parameter(1)
+  %p = pred[] parameter(2)
+  %y = f32[8]{0} conditional(%i, %x, %x), branch_computations={%keep, %refresh}
+  ROOT %z = f32[8]{0} conditional(%p, %y, %y), true_computation=%chosen, false_computation=%keep
+}
+"""
+
+
+@pytest.mark.parametrize("branch", [None, 0, 1])
+def test_branch_counts_one_branch_of_every_conditional(branch):
+    counts = {
+        c.name: c.count for c in collectives_in_hlo(_BRANCHED_HLO, branch=branch)
+    }
+    # `%keep` is branch 0 of both conditionals, so it is called from two sites.
+    expected = {
+        None: {"kept": 2, "first": 1, "second": 1, "picked": 1},
+        0: {"kept": 2, "first": 0, "second": 0, "picked": 0},
+        1: {"kept": 0, "first": 1, "second": 1, "picked": 1},
+    }[branch]
+    assert counts == expected
+    with pytest.raises(ValueError, match="branch"):
+        qt.collectives(jax.jit(lambda x: x).lower(1.0).compile(), branch=-1)
+
+
 @needs_devices
 def test_compiled_scan_counts_its_psum_per_iteration():
     length, width = 5, 16

@@ -49,31 +49,28 @@ def test_apply_updates_casts_to_the_parameter_dtype():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("batch", [(), (3,)])
-def test_low_rank_update_adds_no_weight_sized_buffer(batch, dtype):
-    # The product is fused into the addition at every rank (a matrix product would
-    # hold an (m, n) result per slice): no weight-sized temporary, with or without
-    # the parameter donated, for a matrix or a stack of them.
+def test_stacked_low_rank_update_holds_one_matrix_product_at_a_time(dtype):
+    # Holds on XLA:CPU (this suite's backend); `benchmarks/bench_scale.py --parts`
+    # measures the same for TPU. The stack is updated one matrix at a time, in the
+    # donated parameter's buffer: the temporaries are one matrix's float32 work (its
+    # product, its factors), the same for 4 layers as for 16, at any rank.
     m, n = 64, 128
-    w = jax.ShapeDtypeStruct((*batch, m, n), dtype)
 
-    def temp_bytes(rank, donate):
+    def temp_bytes(layers, rank):
+        w = jax.ShapeDtypeStruct((layers, m, n), dtype)
         update = jax.eval_shape(
             lambda: qt.LowRank(
-                jnp.zeros((*batch, m, rank), dtype), jnp.zeros((*batch, n, rank), dtype)
+                jnp.zeros((layers, m, rank), dtype), jnp.zeros((layers, n, rank), dtype)
             )
         )
         compiled = (
-            jax.jit(qto.apply_updates, donate_argnums=(0,) if donate else ())
-            .lower(w, update)
-            .compile()
+            jax.jit(qto.apply_updates, donate_argnums=(0,)).lower(w, update).compile()
         )
         return compiled.memory_analysis().temp_size_in_bytes
 
-    weight = int(np.prod(batch)) * m * n * jnp.dtype(dtype).itemsize
     for rank in (8, 70, 200):
-        for donate in (False, True):
-            assert temp_bytes(rank, donate) < weight, (rank, donate)
+        one_matrix = (m * n + (m + n) * rank) * 4
+        assert temp_bytes(4, rank) == temp_bytes(16, rank) <= 2 * one_matrix, rank
 
 
 def test_high_rank_stacked_update_equals_dense():
