@@ -784,9 +784,10 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         "factors: the backward pass of the model's scan over layers projects each "
         "layer's gradient as it is made and adds it into that layer's slice of the "
         "sum, so that one layer's factors are alive at a time. A refresh step is "
-        "the true branch of a `lax.cond`: a pass adds up the sketches, a second "
-        "the products with their orthonormal basis, which give both the new "
-        "projectors and the step's factors. `qto.layerwise` runs the 8-bit "
+        "the true branch of a `lax.cond`: a pass adds up the sketches, two more "
+        "the products with their orthonormal basis, whose small SVD gives the new "
+        "projectors; then the step's one pass gives the factors. `qto.layerwise` "
+        "runs the 8-bit "
         "transformation one layer's slice at a time; `qto.apply_updates` adds each "
         "layer's `left @ right.T` (a float32 matmul) into its slice of the donated "
         f"weight. The running sums are {_gib(peak['sums'])} GiB at 7B and one "
@@ -1296,7 +1297,15 @@ def main(argv=None) -> None:
         return
     if args.parts:
         model, arm = args.parts
-        print(json.dumps(estimate_parts(MODELS[model], arm, args.target or "cpu")))
+        parts = estimate_parts(MODELS[model], arm, args.target or "cpu")
+        print(json.dumps(parts))
+        if args.target in (None, "cpu"):
+            # Kept with the CPU results (the report's "by piece" lines); `--render`
+            # writes them out.
+            raw = (args.out or default_out(__file__, False)).with_suffix(".json")
+            saved = json.loads(raw.read_text())
+            saved.setdefault("extra", {}).setdefault("parts", {})[model] = parts
+            raw.write_text(json.dumps(saved, indent=1))
         return
     if args.one:
         model, arm = args.one

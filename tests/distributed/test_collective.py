@@ -738,9 +738,7 @@ ENTRY %main (x: f32[8], i: s32[], p: pred[]) -> f32[8] {
 
 @pytest.mark.parametrize("branch", [None, 0, 1])
 def test_branch_counts_one_branch_of_every_conditional(branch):
-    counts = {
-        c.name: c.count for c in collectives_in_hlo(_BRANCHED_HLO, branch=branch)
-    }
+    counts = {c.name: c.count for c in collectives_in_hlo(_BRANCHED_HLO, branch=branch)}
     # `%keep` is branch 0 of both conditionals, so it is called from two sites.
     expected = {
         None: {"kept": 2, "first": 1, "second": 1, "picked": 1},

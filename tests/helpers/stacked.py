@@ -60,7 +60,8 @@ _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (\S+) ([a-z-]+)\(")
 
 
 def weight_buffers(jitted, args, shape):
-    """Instructions of the compiled program whose result has HLO shape `shape`
+    """Instructions of the compiled program (XLA:CPU's, this suite's backend) whose
+    result has HLO shape `shape`
     (e.g. `"f32[3,24,40]"`), other than reads of a parameter: the parameter itself,
     tuple plumbing, bitcasts, copies and the dynamic slice (or the fusion XLA names
     after it) that reads one layer's weight in a loop body, which the forward pass

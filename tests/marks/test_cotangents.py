@@ -522,7 +522,8 @@ def test_a_per_head_weight_contracted_over_its_stack_dim_names_the_matrix_layout
 
 
 def _produced(jitted, args, shape):
-    """Compiled HLO instructions, other than parameters, whose result is `shape`."""
+    """Compiled HLO instructions, other than parameters, whose result is `shape`
+    (XLA:CPU's, this suite's backend)."""
     pattern = re.compile(r"\s*(ROOT )?%\S+ = " + re.escape(shape) + r"[{ ]")
     lines = jitted.lower(*args).compile().as_text().splitlines()
     return [line for line in lines if pattern.match(line) and "parameter(" not in line]

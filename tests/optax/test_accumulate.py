@@ -122,7 +122,8 @@ def test_aux_is_stacked_over_the_microbatches():
 
 
 def _while_carries(hlo: str) -> list[list[str]]:
-    """The element shapes of every `while` loop's carry in a compiled program."""
+    """The element shapes of every `while` loop's carry in a compiled program
+    (XLA:CPU's, this suite's backend)."""
     carries = []
     for line in hlo.splitlines():
         match = re.search(r"=\s*\((.*)\)\s+while\(", line)

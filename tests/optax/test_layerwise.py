@@ -157,7 +157,8 @@ def _f32_buffers(text: str, shape: tuple) -> int:
 
 def test_the_8_bit_state_is_decoded_one_layer_at_a_time():
     # Without `layerwise`, the update decodes every layer's moments to float32 at
-    # once: the compiled update holds float32 arrays of the stacked shape.
+    # once: the compiled update holds float32 arrays of the stacked shape. Read from
+    # XLA:CPU's compiled HLO (this suite's backend).
     layers, shape = 4, (4, 64, 256)
     params = {"w": jnp.zeros(shape, jnp.bfloat16)}
     tx = qto.quantized_state(optax.adam(0.1))
