@@ -318,10 +318,6 @@ def _layout(sharding: Any, plan: LeafPlan | None, x: Any, projector_side: bool) 
     return factor_layout(sharding, len(plan.matrix_shape), side, tuple(x.shape))
 
 
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _rows_mean(stacked: Any, k: int) -> Any:
     """The microbatches' `SparseRows`, side by side, divided by `k`."""
     if stacked is None:
