@@ -35,6 +35,7 @@ from .._core._compat import (
 )
 from .._core._fallback import dry_run, record_densification
 from .._core._registry import rule
+from .._distributed._sharding import sliced_struct
 from .._marks import _marked_scan
 from .._marks._cotangents import mark_p
 from .._marks._projection import (
@@ -362,9 +363,7 @@ def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
         return _marked_scan.scan_with_projected_xs(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
-    xs_avals = [
-        jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jtu.tree_leaves(list(xs))
-    ]
+    xs_avals = [sliced_struct(x) for x in jtu.tree_leaves(list(xs))]
     body, plans, out_shape = _settle_carry("scan", jaxpr, consts, carry, xs, xs_avals)
     trace_in = (*body.consts_flat, *body.carry_flat, *xs_avals)
     new_jaxpr = jax.make_jaxpr(_settled_fn(body, plans))(*trace_in)

@@ -192,8 +192,9 @@ def _callees(
         if listed:
             names = [n.strip().lstrip("%") for n in listed.group(1).split(",")]
         else:  # a predicate's two computations: `false` is branch 0, `true` 1
-            found = dict(re.findall(r"\b(true|false)_computation=%?([\w.\-]+)", line))
-            names = [found["false"], found["true"]]
+            pairs = re.findall(r"\b(true|false)_computation=%?([\w.\-]+)", line)
+            by_branch: dict[str, str] = dict(pairs)
+            names = [by_branch.get("false", ""), by_branch.get("true", "")]
         return [(n, int(k == branch)) for k, n in enumerate(names) if n]
     found: list[tuple[str, int | None]] = [(n, 1) for n in _CALLEE.findall(line)]
     for names in _CALLEE_LIST.findall(line):

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import NamedSharding, PartitionSpec
 
 
@@ -38,6 +39,17 @@ def factor_layout(
             width = other
     spec = PartitionSpec(*entries[:-2], kept, width)
     return NamedSharding(sharding.mesh, spec)
+
+
+def explicit_sharding(x: Any) -> NamedSharding | None:
+    """`x`'s own sharding where it is part of its type (a mesh axis it is sharded
+    on is `Explicit`), else None."""
+    if not isinstance(x, (jax.Array, Tracer)):
+        return None  # None, a Python scalar, a leaf that is no array
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return None
+    return sharding if _explicit(sharding) else None
 
 
 def drop_leading(sharding: NamedSharding | None, count: int) -> NamedSharding | None:

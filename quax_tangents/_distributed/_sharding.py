@@ -108,6 +108,71 @@ def _axes(entry: Any) -> set:
     return set(entry) if isinstance(entry, tuple) else {entry}
 
 
+def typed_as(aval: Any, spec: Any) -> Any:
+    """`aval` with its sharding spec replaced by `spec` (`None`: unchanged), varying
+    mesh axes kept."""
+    sharding = getattr(aval, "sharding", None)
+    if spec is None or sharding is None or getattr(sharding, "mesh", None) is None:
+        return aval
+    if sharding.mesh.empty:  # factors typed without a mesh (a scan's zeros, say)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return aval
+        return aval.update(sharding=jax.sharding.NamedSharding(mesh, spec))
+    return aval.update(sharding=sharding.update(spec=spec))
+
+
+def sliced_struct(x: Array) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and (under explicit axes) sharding of one slice `x[i]` of
+    `x` along its leading dim: what a scan's body receives."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not explicit_axes() or sharding is None or sharding.mesh.empty:
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    spec = P(*spec_entries(x)[1:])
+    return jax.ShapeDtypeStruct(
+        x.shape[1:], x.dtype, sharding=jax.sharding.NamedSharding(sharding.mesh, spec)
+    )
+
+
+def typed_like(x: Array, reference: Array) -> Array:
+    """`x` resharded to `reference`'s spec where their specs differ under explicit
+    axes (a no-op otherwise): for a compressed `x`, its rule retypes it without
+    moving data."""
+    if not explicit_axes():
+        return x
+    return _resharded(x, P(*spec_entries(reference)))
+
+
+def typed_like_spec(x: Array, spec: Any) -> Array:
+    """`x` resharded to `spec` (padded to `x`'s rank) where its own differs."""
+    entries = tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+    return _resharded(x, P(*entries))
+
+
+def factors_like(
+    left: Float[Array, "*batch m r"], right: Float[Array, "*batch n r"], aval: Any
+) -> tuple[Array, Array]:
+    """The factors of a `(*batch, m, n)` matrix resharded so that their product is
+    typed as `aval` (a type with a sharding, say the weight's): `left` takes
+    `P(*batch, rows, None)` and `right` `P(*batch, cols, None)` for `aval`'s
+    `P(*batch, rows, cols)`. A no-op without explicit axes. The factors are the
+    small arrays, so this never moves a matrix-sized one."""
+    if not explicit_axes():
+        return left, right
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None:
+        return left, right
+    *batch, rows, cols = tuple(spec) + (None,) * (len(aval.shape) - len(spec))
+    return (
+        _resharded(left, P(*batch, rows, None)),
+        _resharded(right, P(*batch, cols, None)),
+    )
+
+
+def _resharded(x: Array, spec: P) -> Array:
+    return x if P(*spec_entries(x)) == spec else jax.sharding.reshard(x, spec)
+
+
 def matmul(a: Float[Array, "m k"], b: Float[Array, "k n"]) -> Float[Array, "m n"]:
     """`a @ b` for matrices; under explicit axes the result keeps `a`'s row sharding
     and `b`'s column sharding (the latter dropped where it reuses an axis of the
@@ -125,6 +190,15 @@ def gram(a: Float[Array, "m w"]) -> Float[Array, "w w"]:
     if not explicit_axes():
         return a.T @ a
     return jnp.matmul(a.T, a, out_sharding=P(None, None))
+
+
+def batched_gram(a: Float[Array, "*batch m w"]) -> Float[Array, "*batch w w"]:
+    """`a^T a` per matrix of a stack; under explicit axes replicated over the
+    matrix dims (the reduction runs over `a`'s maybe sharded rows)."""
+    a_t = jnp.swapaxes(a, -1, -2)
+    if not explicit_axes():
+        return a_t @ a
+    return jnp.matmul(a_t, a, out_sharding=P(*spec_entries(a)[:-2], None, None))
 
 
 def like(x: Array, reference: Array) -> Array:

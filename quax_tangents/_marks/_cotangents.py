@@ -173,7 +173,10 @@ def projected_cotangent(
         bool.
     - `key`: PRNG key of the range finder's test matrix; `None` uses
         `jax.random.key(0)`.
-    - `iters`: power iterations of the range finder.
+    - `iters`: power iterations of the range finder (1 by default: each costs
+        two products with the gradient's factors, and sharpens a fresh projector
+        where the gradient's spectrum decays slowly). The optax layer's marks
+        (`quax_tangents.optax.mark`) default to 0, as its accumulation does.
 
     **Returns:**
 

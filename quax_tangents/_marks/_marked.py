@@ -163,7 +163,10 @@ def factored_product(gradient_factors: Callable) -> Callable:
         (ct_x,) = pullback(ct)
         a, b = gradient_factors(dot, x, ct)
         a, b = a.astype(w.dtype), b.astype(w.dtype)
-        return ct_x, outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
+        ct_w = outer_sum_p.bind(a, b, batch_ndim=dot.batch_ndim)
+        # Typed as the weight, as a custom_vjp's cotangent must be: under explicit
+        # mesh axes the sum over the (sharded) rows has no sharding of its own.
+        return ct_x, _sharding.typed_like(ct_w, w)
 
     product = jax.custom_vjp(lambda dot, x, w: dot.bind(x, w), nondiff_argnums=(0,))
     product.defvjp(forward, backward)

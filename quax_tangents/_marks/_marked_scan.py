@@ -30,7 +30,7 @@ from .._core._compat import scan_counts
 from .._distributed._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
-from ._projection import projected_factor, projection, test_matrix
+from ._projection import projected_factor, projection, test_matrix, typed_as
 
 
 def _is_float(x: Any) -> bool:
@@ -349,6 +349,7 @@ def _backward_projected(
             result[i] = projection(omega.astype(total.dtype), factor, not left, False)
         else:
             result[i] = projection(projector.astype(total.dtype), factor, left)
+        result[i] = typed_as(result[i], jax.typeof(arrays[i]))
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
     for i, ct in zip(xs_diff, ct_xs):

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._core._fallback import fallback_mode
 from .._core._validate import is_concrete
+from .._distributed._sharding import batched_gram
 
 
 def orthonormality_tolerance(dtype: Any, side: int) -> float:
@@ -44,7 +45,7 @@ def orthonormality_error(matrix: Any) -> Any:
     """`max |P^T P - I|` over the last two dims (the batch dims of a stack too)."""
     work = jnp.promote_types(jnp.result_type(matrix), jnp.float32)
     p = jnp.asarray(matrix).astype(work)
-    gram = jnp.swapaxes(p, -1, -2) @ p
+    gram = batched_gram(p)
     return jnp.max(jnp.abs(gram - _unit_or_zero_diagonal(jnp, gram)))
 
 

@@ -17,6 +17,7 @@ import functools as ft
 from collections.abc import Callable
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core as jexc
@@ -234,7 +235,8 @@ def _projected(
         basis_out = basis.astype(dtype)
     other = apply_t(basis)
     if spec.source == "given_into":
-        other = other + operands[1].astype(other.dtype)
+        total = operands[1].astype(other.dtype)
+        other = _sharding.like(other, total) + total
     other = other.astype(dtype)
     # Computed, not user input: a NaN in the gradient flows on (see `_unchecked`).
     if m <= n:
@@ -399,8 +401,26 @@ def _finish_batch(args: tuple, dims: tuple, *, spec: Finish) -> tuple:
 batching.primitive_batchers[finish_p] = _finish_batch
 
 
+def typed_as(finished: Any, ct_type: Any) -> Any:
+    """A finished cotangent typed exactly as the weight's cotangent `ct_type` (a
+    custom_vjp's output must be): a `LowRank`'s factors follow the weight's
+    sharding, each on its own side, a dense array takes it whole. Nothing moves
+    without explicit mesh axes."""
+    if isinstance(finished, LowRank):
+        factors = _sharding.factors_like(finished.left, finished.right, ct_type)
+        return eqx.tree_at(lambda x: (x.left, x.right), finished, factors)
+    if isinstance(finished, jax.Array) and _sharding.explicit_axes():
+        spec = getattr(getattr(ct_type, "sharding", None), "spec", None)
+        return finished if spec is None else _sharding.typed_like_spec(finished, spec)
+    return finished
+
+
 @rule(finish_p)
 def _finish_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Any:
+    return typed_as(_finished_outer(ct, operands, spec), ct.aval())
+
+
+def _finished_outer(ct: OuterSum, operands: tuple, spec: Finish) -> Any:
     if spec.kind == "factored":
         return within_budget(finish_p, ct.left, ct.right)
     if spec.kind == "projected":
@@ -420,7 +440,7 @@ def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
     )
     if spec.kind != "projected":
         return ct
-    return project_dense(spec, ct, operands)
+    return typed_as(project_dense(spec, ct, operands), jax.typeof(ct))
 
 
 @rule(finish_p)

@@ -27,6 +27,7 @@ from .._core._fallback import (
     is_vector_shape,
     record_budget_event,
     record_dense_result,
+    record_densification,
 )
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -465,7 +466,48 @@ def _shared_factor_sum(x: LowRank, y: LowRank, primitive: Any) -> LowRank | None
     if x.right is y.right:
         kept = "right" if side == "right" else None
         return _lowrank(x.left + sign * y.left, x.right, kept)
+    if side is not None and _same_factor_shapes(x, y):
+        return _projection_sum(x, y, side, sign)
     return None
+
+
+def _same_factor_shapes(x: LowRank, y: LowRank) -> bool:
+    return x.left.shape == y.left.shape and x.right.shape == y.right.shape
+
+
+_DIFFERENT_PROJECTORS = (
+    "A sum of two projected gradients (LowRank with projector_side={side!r}) whose "
+    "projectors differ: their sum is no projection onto either, and keeping the "
+    "rank would be wrong. This happens where a loop adds the gradients of a step "
+    "that refreshes its projectors (each microbatch then draws its own): sum "
+    "microbatches with `quax_tangents.optax.accumulate_gradients`, which keeps one "
+    "projector per step; or drop the tags first (`g.with_projector_side(None)`) for "
+    "the exact sum at twice the rank."
+)
+
+
+def _projection_sum(x: LowRank, y: LowRank, side: str, sign: int) -> LowRank:
+    """`LowRank(P, A) + LowRank(P', B)` for two projections tagged on one side, held
+    as different arrays (a loop carry and a new gradient, say): `LowRank(P, A + B)`,
+    at the same rank, checked to have `P' == P`, eagerly when both are concrete and
+    in the program otherwise (it raises there when they differ). Accumulating
+    projected gradients in any loop form keeps the rank."""
+    (p, a), (q, b) = (
+        ((x.left, x.right), (y.left, y.right))
+        if side == "left"
+        else ((x.right, x.left), (y.right, y.left))
+    )
+    message = _DIFFERENT_PROJECTORS.format(side=side)
+    differ = jnp.any(p != q)
+    if _validate.is_concrete(differ):
+        if bool(differ):
+            raise ValueError(message)
+    else:
+        p = eqx.error_if(p, differ, message)
+    total = a + sign * b
+    if side == "left":
+        return _lowrank(p, total, side)
+    return _lowrank(total, p, side)
 
 
 @rule(add_any_p, jax.lax.add_p, jax.lax.sub_p)
@@ -542,11 +584,24 @@ def _reshape(
             right = jnp.reshape(x.right, lead + x.right.shape[-2:])
             return _lowrank(left, right)
         if is_vector_shape(new_sizes):
-            return _dense_from_factors(
-                jax.lax.reshape_p,
-                jnp.reshape(x.materialise(), new_sizes),
-                "a vector",
-            )
+            vector = jnp.reshape(x.materialise(), new_sizes)
+            if math.prod(x.shape[-2:]) > 1:
+                # A unit matrix dim squeezed away: JAX's JVP of a broadcasting
+                # `add` or `sub` (a `(3, 1)` tangent against a `(3, 4)` primal) does
+                # this, then broadcasts the vector to a dense matrix, outside any
+                # rule. Counted here, where the factors are lost.
+                record_densification(
+                    jax.lax.reshape_p.name,
+                    ("LowRank",),
+                    f"a {list(x.shape)} LowRank squeezed to a vector "
+                    f"{list(new_sizes)}, as JAX's JVP of an `add` or `sub` that "
+                    "broadcasts a unit dim does before broadcasting it densely",
+                    "Broadcast the operand to the full shape first (`jnp.broadcast_"
+                    "to`, which keeps the factors), so that the sum is of equal "
+                    "shapes.",
+                )
+                return vector
+            return _dense_from_factors(jax.lax.reshape_p, vector, "a vector")
     return densify(
         jax.lax.reshape_p,
         [x],

@@ -14,18 +14,25 @@ Every rule this representation registers lives in this file.
 import math
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float
 
 from .._core._base import CompressedArray, densify
-from .._core._compat import psum_invariant_p
+from .._core._compat import psum_invariant_p, reshard_p
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
 from .._distributed._devices import gather_along
-from .._distributed._sharding import factored_type
+from .._distributed._sharding import (
+    explicit_axes,
+    factored_type,
+    spec_entries,
+    typed_as,
+)
 
 
 class OuterSum(CompressedArray):
@@ -36,10 +43,18 @@ class OuterSum(CompressedArray):
 
     - `left`: floating array `(*batch, m, B)`.
     - `right`: floating array `(*batch, n, B)` of the same dtype and leading dims.
+    - `spec`: under explicit mesh axes, the sharding `(rows, cols)` of the matrix
+        dims (the weight's, whose cotangent it is), or `None` for the one its
+        factors imply; the batch dims are sharded as the factors' are. The factors'
+        `B` dim is often sharded (the batch, on a data axis), so the product is a
+        sum over devices that no sharding of the factors alone types as the weight
+        is. Only the matrix dims are kept, so that stacking (a scan's outputs)
+        leaves it valid.
     """
 
     left: Float[Array, "*batch m B"]
     right: Float[Array, "*batch n B"]
+    spec: Any = eqx.field(static=True, default=None)
 
     @property
     def batch_ndim(self) -> int:
@@ -47,10 +62,19 @@ class OuterSum(CompressedArray):
 
     def aval(self) -> jax.core.ShapedArray:
         shape = self.left.shape[:-1] + self.right.shape[-2:-1]
-        return factored_type(shape, self.left.dtype, self.left, self.right)
+        typed = factored_type(shape, self.left.dtype, self.left, self.right)
+        return typed_as(typed, self._full_spec())
+
+    def _full_spec(self) -> PartitionSpec | None:
+        if self.spec is None:
+            return None
+        return PartitionSpec(*spec_entries(self.left)[:-2], *self.spec)
 
     def materialise(self) -> Array:
-        return jnp.matmul(self.left, jnp.swapaxes(self.right, -1, -2))
+        right_t = jnp.swapaxes(self.right, -1, -2)
+        if self.spec is None or not explicit_axes():
+            return jnp.matmul(self.left, right_t)
+        return jnp.matmul(self.left, right_t, out_sharding=self._full_spec())
 
 
 @rule(add_any_p)
@@ -58,7 +82,7 @@ def _add_any(x: OuterSum, y: OuterSum) -> OuterSum | Array:
     if (x.shape, x.dtype) != (y.shape, y.dtype):
         return densify(add_any_p, [x, y], {}, reason="shapes or dtypes differ")
     left = jnp.concatenate([x.left, y.left], axis=-1)
-    return OuterSum(left, jnp.concatenate([x.right, y.right], axis=-1))
+    return OuterSum(left, jnp.concatenate([x.right, y.right], axis=-1), x.spec)
 
 
 def _plus_dense(x: OuterSum, y: ArrayLike) -> Array:
@@ -98,7 +122,7 @@ def _reduce_sum(x: OuterSum, *, axes: tuple[int, ...], **params: Any) -> Any:
         moved = jnp.transpose(factor, (*keep, nb, *axes, nb + 1))
         return moved.reshape(moved.shape[: len(keep) + 1] + (terms,))
 
-    return OuterSum(merge(x.left), merge(x.right))
+    return OuterSum(merge(x.left), merge(x.right), x.spec)
 
 
 @rule(psum_invariant_p)
@@ -108,5 +132,16 @@ def _psum_invariant(x: OuterSum, *, axes: tuple) -> OuterSum:
     device's terms side by side, exact, finished afterwards like any other sum."""
     axes = tuple(axes)
     return OuterSum(
-        gather_along(x.left, axes, axis=-1), gather_along(x.right, axes, axis=-1)
+        gather_along(x.left, axes, axis=-1),
+        gather_along(x.right, axes, axis=-1),
+        x.spec,
     )
+
+
+@rule(reshard_p)
+def _reshard(x: OuterSum, *, dst_sharding: Any, **params: Any) -> OuterSum:
+    """Typed with `dst_sharding`'s spec, factors unmoved: the weight's sharding for
+    the cotangent of a mark (see `spec`), or the transpose of a marked weight's
+    `reshard` (an FSDP all-gather before use) sending it back to the stored one."""
+    entries = tuple(dst_sharding.spec) + (None,) * (x.ndim - len(dst_sharding.spec))
+    return OuterSum(x.left, x.right, entries[-2:])

@@ -12,10 +12,12 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import _validate
 from .._core._base import CompressedArray, densify, install_guard
+from .._core._compat import reshard_p
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -307,3 +309,31 @@ def _add_dense_right(x: SparseRows, y: ArrayLike) -> Array:
 @rule(jax.lax.add_p, dense_output=True)
 def _add_dense_left(y: ArrayLike, x: SparseRows) -> Array:
     return _plus_dense(jax.lax.add_p, x, y)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding (explicit mesh axes)
+
+
+@rule(reshard_p, dense_output=True)
+def _reshard(x: SparseRows, *, dst_sharding: Any, **params: Any) -> Any:
+    """Replicated (a spec naming no mesh axis, as the transpose of a gather's
+    `out_sharding=` gives a replicated table): a `SparseRows`, which is typed
+    replicated. Sharded: its stored rows cannot follow a split of the table's rows,
+    so it becomes dense, counted. Either way its arrays are first retyped
+    replicated on the destination's mesh (leaving `auto_axes`, a gather's
+    `out_sharding=`, they are typed on another)."""
+
+    def moved(a: Array) -> Array:
+        spec = PartitionSpec(*([None] * jnp.ndim(a)))
+        return reshard_p.bind(a, dst_sharding=dst_sharding.update(spec=spec), **params)
+
+    retyped = SparseRows.build(moved(x.indices), moved(x.rows), x.num_rows)
+    if not any(entry is not None for entry in dst_sharding.spec):
+        return retyped
+    return densify(
+        reshard_p,
+        [retyped],
+        dict(dst_sharding=dst_sharding, **params),
+        reason="a table sharded on a mesh axis; its gradient rows are not",
+    )

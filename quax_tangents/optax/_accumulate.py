@@ -36,7 +36,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
 from .._core._unchecked import unchecked
-from .._distributed._layout import constrain, factor_layout
+from .._distributed._layout import constrain, drop_leading, explicit_sharding
 from .._distributed._sharding import (
     column_signs,
     orthonormal_columns,
@@ -76,7 +76,7 @@ def _in_place_per_matrix(fn: Any, xs: tuple, layout: Any = None) -> Array:
     None (a loop's buffer is replicated unless constrained)."""
     batch = xs[0].shape[:-2]
     if not batch:
-        return fn(*xs)
+        return constrain(fn(*xs), layout)
     flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
     dtype = flat[0].dtype
     if len(batch) != 1:  # the layout is of the stack's own dims
@@ -86,6 +86,7 @@ def _in_place_per_matrix(fn: Any, xs: tuple, layout: Any = None) -> Array:
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=i, keepdims=False)
         out = fn(take(buffer), *map(take, flat[1:]))
         assert out.shape == flat[0].shape[1:] and out.dtype == dtype
+        out = constrain(out, drop_leading(layout, 1))
         return constrain(jax.lax.dynamic_update_index_in_dim(buffer, out, i, 0), layout)
 
     buffer = constrain(flat[0], layout)
@@ -305,17 +306,13 @@ def _pass(
 
 def _layout(sharding: Any, plan: LeafPlan | None, x: Any, projector_side: bool) -> Any:
     """The layout of a running sum, basis or projector `x` of a weight laid out by
-    `sharding`: the sharding itself for a dense sum; for a factor of a projected
-    weight, one spread over the same mesh axes. `projector_side`: whether `x` spans
-    the projector's side of the matrices (a sketch, a basis, a projector) rather
-    than the other (a factor `G^T P`). None leaves it to XLA."""
+    `sharding`: the sharding itself for a dense sum, one spread over the same mesh
+    axes for a factor (`LeafPlan.factor_layout`). None leaves it to XLA."""
     if x is None or sharding is None:
         return None
-    if plan is None or plan.kind != "project":
+    if plan is None:
         return sharding
-    on_rows = (plan.side == "left") == projector_side
-    side = -2 if on_rows else -1
-    return factor_layout(sharding, len(plan.matrix_shape), side, tuple(x.shape))
+    return plan.factor_layout(sharding, tuple(x.shape), projector_side)
 
 
 def _rows_mean(stacked: Any, k: int) -> Any:
@@ -335,11 +332,19 @@ def _rows_mean(stacked: Any, k: int) -> Any:
 # Steady and refresh steps
 
 
-def _leaf_shardings(shardings: Any, treedef: Any, plans: list) -> list:
-    """Per leaf, its `NamedSharding` from `accumulate_gradients(shardings=...)`, or
-    None (no sharding given, or a leaf seen through another matrix view)."""
+def _leaf_shardings(shardings: Any, treedef: Any, plans: list, leaves: list) -> list:
+    """Per leaf, its `NamedSharding` from `accumulate_gradients(shardings=...)` (by
+    default the leaf's own under explicit mesh axes), or None (none given, or a leaf
+    seen through another matrix view)."""
     if shardings is None:
-        return [None] * len(plans)
+        # Under explicit mesh axes a weight's layout is its type: the sums and bases
+        # must follow it (a carry's type may not change across a scan).
+        return [
+            None
+            if p is not None and p.kind == "project" and p.is_view
+            else explicit_sharding(x)
+            for x, p in zip(leaves, plans)
+        ]
     flat = flatten_as(
         treedef,
         shardings,
@@ -455,7 +460,7 @@ def accumulate_gradients(
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     inner = find_state(state, _WHERE)
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)
-    layouts = _leaf_shardings(shardings, treedef, plans)
+    layouts = _leaf_shardings(shardings, treedef, plans, leaves)
     if not jtu.tree_leaves(microbatches):
         raise ValueError(f"{_WHERE}: `microbatches` has no arrays.")
     projected = [

@@ -3,6 +3,7 @@ transformations that only take arrays, and the check behind their errors."""
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
@@ -11,6 +12,7 @@ from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
+from .._distributed._sharding import factors_like, matmul
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 
@@ -63,7 +65,11 @@ def _apply_low_rank(param: Array, update: LowRank) -> Array:
 
 def _add_product(matrix: Array, left: Array, right: Array) -> Array:
     dtype = jnp.promote_types(matrix.dtype, jnp.float32)
-    product = left.astype(dtype) @ right.astype(dtype).T
+    # Under explicit mesh axes, each factor laid out on its side of the matrix (a
+    # gather of the small factors), so that each device forms its own block of
+    # the product: no matrix-sized reduction or reshard.
+    left, right = factors_like(left, right, jax.typeof(matrix))
+    product = matmul(left.astype(dtype), right.astype(dtype).T)
     return (matrix.astype(dtype) + product).astype(matrix.dtype)
 
 

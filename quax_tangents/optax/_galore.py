@@ -17,8 +17,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._distributed._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
 from ._common import Filter, check_int
@@ -45,7 +47,12 @@ def _split_batch(batch: PyTree, microbatches: int) -> PyTree:
                 f"which is {size} for a leaf of shape {jnp.shape(x)}; pass a batch "
                 "whose every leaf leads with a multiple of it."
             )
-        return jnp.reshape(x, (microbatches, size // microbatches, *jnp.shape(x)[1:]))
+        shape = (microbatches, size // microbatches, *jnp.shape(x)[1:])
+        if not explicit_axes():
+            return jnp.reshape(x, shape)
+        # Each microbatch split over the devices as the batch was: the scan over
+        # microbatches slices an unsharded leading dim.
+        return jnp.reshape(x, shape, out_sharding=P(None, *spec_entries(x)))
 
     return jax.tree.map(split, batch)
 

@@ -13,6 +13,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._core._unchecked import unchecked
+from .._distributed._layout import factor_layout
 from .._types.lowrank import LowRank
 from ._common import Filter, mask_flags
 
@@ -69,6 +70,22 @@ class LeafPlan(eqx.Module):
     @property
     def factor_shape(self) -> tuple[int, ...]:
         return (*self.batch, max(self.m, self.n), self.rank)
+
+    def factor_layout(
+        self, sharding: Any, shape: tuple[int, ...], projector_side: bool
+    ) -> Any:
+        """The layout of a factor `shape` of this leaf's gradient laid out by
+        `sharding` (the weight's `NamedSharding`, or None: left to XLA), spread over
+        the same mesh axes. `projector_side`: whether it spans the projector's side
+        of the matrices (a sketch, a basis, a projector) rather than the other (a
+        factor `G^T P`)."""
+        if sharding is None:
+            return None
+        if self.kind != "project":
+            return sharding
+        on_rows = (self.side == "left") == projector_side
+        side = -2 if on_rows else -1
+        return factor_layout(sharding, len(self.matrix_shape), side, tuple(shape))
 
     def describe(self) -> str:
         stack = f"a stack {list(self.batch)} of " if self.batch else ""

@@ -14,7 +14,9 @@ import optax
 from jax import lax
 from jaxtyping import PyTree
 
+from .._core._fallback import dry_run
 from .._core._guard import guard, is_guard
+from .._distributed._sharding import like
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -49,6 +51,9 @@ class _Rows(NamedTuple):
         return lax.dynamic_slice_in_dim(x, self.start(layer), self.size, axis=0)
 
     def write(self, buffer: Any, value: Any, layer: Any) -> Any:
+        # Under explicit mesh axes a slice is typed as its buffer (a loop's carry
+        # may not change type): the update of one layer follows the stack's layout.
+        value = like(value, buffer)
         start = self.start(layer)
         if not self.even:
             fresh = start + jnp.arange(self.size) >= layer * self.size
@@ -368,15 +373,10 @@ class _Loop:
             state_passthrough.extend(ids.get(id(x)) for x in state)
             return out
 
-        one_out = jax.eval_shape(probe, 0)
-        whole = jax.eval_shape(
-            lambda g, s, p: self.tx.update(g, s, p, **self.extra)[0],
-            jtu.tree_unflatten(self.treedef, self.grads),
-            self.state,
-            None
-            if self.param_leaves is None
-            else jtu.tree_unflatten(self.treedef, self.param_leaves),
-        )
+        # Shape discovery: the loop's own trace counts any densification once.
+        with dry_run():
+            one_out = jax.eval_shape(probe, 0)
+            whole = self._whole_update_shape()
         self.full_out, self.out_def = jtu.tree_flatten(whole)
         out_cut = _output_cuts(self.out_def, self.treedef, self.cut)
         self.out_rows = [
@@ -389,6 +389,17 @@ class _Loop:
             p if p is not None and self._same_array(old, r, p) else None
             for old, r, p in zip(self.state_leaves, self.state_rows, state_passthrough)
         ]
+
+    def _whole_update_shape(self) -> Any:
+        """The shapes of `tx.update` on the whole tree (what the loop writes)."""
+        return jax.eval_shape(
+            lambda g, s, p: self.tx.update(g, s, p, **self.extra)[0],
+            jtu.tree_unflatten(self.treedef, self.grads),
+            self.state,
+            None
+            if self.param_leaves is None
+            else jtu.tree_unflatten(self.treedef, self.param_leaves),
+        )
 
     def _same_array(self, state_leaf: Any, rows: Any, k: int) -> bool:
         """Whether gradient array `k` can stand for a new state leaf whose slices
@@ -463,13 +474,19 @@ class _Loop:
                 layer, self.state_slice(layer, carried_state), sources
             )
             carried_state = [
-                None if p is not None else n if r is None else r.write(c, n, layer)
+                None
+                if p is not None
+                else like(n, c)
+                if r is None
+                else r.write(c, n, layer)
                 for c, n, r, p in zip(
                     carried_state, new_state, self.state_rows, self.state_passthrough
                 )
             ]
             carried_out = [
-                None if p is not None else (o if r is None else r.write(c, o, layer))
+                None
+                if p is not None
+                else (like(o, c) if r is None else r.write(c, o, layer))
                 for c, o, r, p in zip(carried_out, out, self.out_rows, self.passthrough)
             ]
             return carried_state, carried_out

@@ -108,7 +108,7 @@ def mark(
     state: Any,
     *,
     key: PRNGKeyArray | None = None,
-    iters: int = 1,
+    iters: int = 0,
 ) -> PyTree:
     """The parameters with the marks that a [`quax_tangents.optax.projected`][] state
     calls for, so that their gradients come back in the form it takes: on each
@@ -149,7 +149,12 @@ def mark(
         (an `optax.chain`'s).
     - `key`: the PRNG key of the range finders on refresh steps, split into one key
         per projected leaf. `None` derives one from the state's step count.
-    - `iters`: power iterations of the range finders.
+    - `iters`: power iterations of the range finders on refresh steps. 0 by
+        default, as for `accumulate_gradients` and `galore`, so that a marked loss
+        and an accumulated step draw the same projector from the same key (there
+        each iteration costs two more passes over the model; here, products with
+        the gradient's factors). `quax_tangents.projected_cotangent`, used on its
+        own, defaults to 1.
 
     **Returns:**
 

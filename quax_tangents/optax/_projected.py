@@ -10,6 +10,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
+from .._distributed._layout import constrain, explicit_sharding
 from .._marks._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
@@ -68,6 +69,19 @@ def _step_size(learning_rate: LearningRate, count: Array) -> Any:
     if callable(learning_rate):
         return -jnp.asarray(learning_rate(count))
     return -learning_rate
+
+
+def _zeros_like_factor(plan: LeafPlan, leaf: Any, projector_side: bool) -> Array:
+    """Zeros for a projector (`projector_side`) or a factor `G^T P` of `leaf`'s
+    gradient, laid out like `leaf` under explicit mesh axes (there, a layout is part
+    of the type that the step's gradients will have)."""
+    shape = plan.projector_shape if projector_side else plan.factor_shape
+    zeros = jnp.zeros(shape, leaf.dtype)
+    if plan.is_view:
+        return zeros
+    return constrain(
+        zeros, plan.factor_layout(explicit_sharding(leaf), shape, projector_side)
+    )
 
 
 def projected(
@@ -199,8 +213,8 @@ def projected(
         projectors, proxies = [], []
         for leaf_plan, leaf in zip(plan, leaves):
             if leaf_plan is not None and leaf_plan.kind == "project":
-                projectors.append(jnp.zeros(leaf_plan.projector_shape, leaf.dtype))
-                proxies.append(jnp.zeros(leaf_plan.factor_shape, leaf.dtype))
+                projectors.append(_zeros_like_factor(leaf_plan, leaf, True))
+                proxies.append(_zeros_like_factor(leaf_plan, leaf, False))
             else:
                 projectors.append(None)
                 proxies.append(leaf)

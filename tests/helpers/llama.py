@@ -205,3 +205,42 @@ def project(g, projector):
     if m <= n:
         return projector @ (projector.T @ g)
     return (g @ projector) @ projector.T
+
+
+# ---------------------------------------------------------------------------------
+# The scanned model: the block's weights stacked `(LAYERS, ...)`, one `lax.scan`
+
+LAYERS = 2
+STACKED = tuple(n for n in SHAPES if n not in ("embed", "final_norm", "lm_head"))
+
+
+def init_stacked(seed: int = 0) -> dict:
+    """The block's weights stacked over `LAYERS` (spec `P(None, *spec)`), the rest
+    as in `init`; call under `jax.set_mesh(mesh)`."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, (shape, spec) in SHAPES.items():
+        if name in STACKED:
+            shape, spec = (LAYERS, *shape), P(None, *spec)
+        if len(shape) - (name in STACKED) == 1:
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / math.sqrt(shape[-2])
+        params[name] = jax.device_put(value.astype(np.float32), spec)
+    return params
+
+
+def scanned_loss(params, batch):
+    """The scanned model's loss of `batch = (tokens, labels)`."""
+    tokens, labels = batch
+    x = params["embed"].at[tokens].get(out_sharding=P("data", None, None))
+
+    def body(x, layer):
+        return block(layer, x), None
+
+    x, _ = lax.scan(body, x, {name: params[name] for name in STACKED})
+    x = rms_norm(x, params["final_norm"])
+    logits = jnp.einsum(
+        "bsd,dv->bsv", x, params["lm_head"], out_sharding=P("data", None, "model")
+    )
+    return cross_entropy(logits, labels)

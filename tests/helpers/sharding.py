@@ -1,6 +1,7 @@
-"""Property-test cases of the rules for sharding and device sums (`reshard`,
-`psum_invariant` and `pvary` of LowRank, `pvary` of a marked weight, `psum_invariant`
-of an OuterSum), on a mesh of one device so that they run in any process. The
+"""Property-test cases of the rules for sharding and device sums (`reshard` of
+LowRank, OuterSum, SparseRows and a marked weight, `psum_invariant` and `pvary` of
+LowRank, `pvary` of a marked weight, `psum_invariant` of an OuterSum), on a mesh of
+one device so that they run in any process. The
 multi-device runs are in `tests/autodiff/test_shard_map.py`. Nothing here touches
 devices at import: the mesh is made when a case is drawn."""
 
@@ -19,6 +20,7 @@ from tests.helpers import random_array, seeds
 from tests.helpers.cases import Case, case
 from tests.helpers.cotangents import _marked
 from tests.helpers.lowrank import lowrank_values
+from tests.helpers.rows import rows_values
 
 
 AXIS = "x"
@@ -124,5 +126,56 @@ def _psum_invariant_outer():
         a = random_array(draw(seeds()), (rows, m))
         b = random_array(draw(seeds()), (rows, n))
         return Case(_outer_summed, (a, b), a.dtype, OuterSum)
+
+    return draw()
+
+
+def _outer_resharded(spec: P, a, b):
+    """The OuterSum `a^T b`, resharded: as the cotangent of a mark is retyped as its
+    weight."""
+    return _resharded(spec, outer_sum_p.bind(a, b, batch_ndim=0))
+
+
+@case("reshard", "OuterSum")
+def _reshard_outer():
+    @st.composite
+    def draw(draw):
+        rows, m, n = (draw(st.integers(1, 5)) for _ in range(3))
+        a = random_array(draw(seeds()), (rows, m))
+        b = random_array(draw(seeds()), (rows, n))
+        spec = draw(st.sampled_from([P(), P(AXIS), P(None, AXIS)]))
+        return Case(ft.partial(_outer_resharded, spec), (a, b), a.dtype, OuterSum)
+
+    return draw()
+
+
+@case("reshard", "SparseRows")
+def _reshard_rows():
+    # Replicated stays SparseRows; a spec that shards it is counted and dense.
+    @st.composite
+    def draw(draw):
+        x = draw(rows_values(batch=()))
+        spec = draw(st.sampled_from([P(), P(None, None), P(AXIS), P(None, AXIS)]))
+        kept = not any(entry is not None for entry in spec)
+        out_type = qt.SparseRows if kept else jax.Array
+        return Case(ft.partial(_resharded, spec), (x,), x.dtype, out_type)
+
+    return draw()
+
+
+def _marked_resharded(spec: P, w):
+    """A marked weight resharded before its matmul (an FSDP all-gather)."""
+    eye = jnp.eye(w.shape[-1], dtype=w.dtype)
+    return _resharded(spec, w) @ eye
+
+
+@case("reshard", "Marked")
+def _reshard_marked():
+    @st.composite
+    def draw(draw):
+        kind = draw(st.sampled_from(["factored", "projected"]))
+        w = draw(_marked(kind=kind, batch=()))
+        spec = draw(st.sampled_from([P(), P(AXIS), P(None, AXIS)]))
+        return Case(ft.partial(_marked_resharded, spec), (w,), w.dtype)
 
     return draw()

@@ -239,16 +239,36 @@ def test_a_mean_over_a_vmap_axis_of_marked_gradients_names_accumulate_gradients(
             mean_grads(params, state, x)
 
 
-def test_a_scan_carry_of_marked_gradients_names_accumulate_gradients():
-    params, tx, state, x, loss = _user_loop_case()
+def _scan_of_marked_gradients(state, params, x, loss):
+    """Levanter-style accumulation: a `lax.scan` whose carry adds each microbatch's
+    marked gradient."""
     marked = lambda p, xb: loss(qto.mark(p, state), xb)
 
     def body(acc, xb):
         grads = qt.grad(marked)(params, xb)
         return quax.quaxify(lambda a, g: jax.tree.map(jnp.add, a, g))(acc, grads), None
 
-    with pytest.raises(TypeError, match="accumulate_gradients"):
-        jax.lax.scan(body, qt.grad(marked)(params, x[0]), x[1:])
+    return jax.lax.scan(body, qt.grad(marked)(params, x[0]), x[1:])[0]
+
+
+def test_a_scan_carry_of_marked_gradients_on_a_refresh_step_names_the_fix():
+    # Each microbatch draws its own projector: no sum of projections keeps a rank.
+    params, tx, state, x, loss = _user_loop_case()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="accumulate_gradients"):
+        _scan_of_marked_gradients(state, params, x, loss)
+
+
+def test_a_scan_carry_of_marked_gradients_keeps_the_rank_with_a_kept_projector():
+    params, tx, state, x, loss = _user_loop_case()
+    _, state = tx.update(
+        qt.grad(lambda p: loss(qto.mark(p, state), x[0]))(params), state, params
+    )
+    assert not bool(state.refresh)
+    total = _scan_of_marked_gradients(state, params, x, loss)
+    assert total["w"].rank == RANK and total["w"].projector_side is not None
+    marked = qt.grad(lambda p, xb: loss(qto.mark(p, state), xb))
+    expected = sum(marked(params, xb)["w"].materialise() for xb in x)
+    assert_close(total["w"], expected, factor=4)
 
 
 def test_stacked_weights_accumulate_to_the_full_batch_projected_gradient():

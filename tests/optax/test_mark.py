@@ -109,11 +109,16 @@ def test_mark_splits_one_key_per_projected_leaf():
             p,
             (
                 qt.sparse_rows_cotangent(p.embedding.weight),
+                # `qto.mark`'s default: no power iteration, as accumulation.
                 qt.projected_cotangent(
-                    p.hidden.weight, RANK, projector=shown.hidden.weight, key=hidden_key
+                    p.hidden.weight,
+                    RANK,
+                    projector=shown.hidden.weight,
+                    key=hidden_key,
+                    iters=0,
                 ),
                 qt.projected_cotangent(
-                    p.out.weight, RANK, projector=shown.out.weight, key=out_key
+                    p.out.weight, RANK, projector=shown.out.weight, key=out_key, iters=0
                 ),
             ),
         )

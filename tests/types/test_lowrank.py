@@ -457,23 +457,37 @@ def test_broadcasting_add_keeps_factors_where_a_lowrank_result_exists():
     assert_close(out, a.materialise() + b.materialise())
 
 
-def test_one_sided_broadcasting_jvp_is_dense_unless_broadcast_first():
-    """JAX's JVP of `x + y`, `x` of shape (3, 1) and the only one differentiated,
-    squeezes the tangent to a (3,) vector (dense, and not counted: a vector) and
-    broadcasts that vector outside any rule. Broadcasting `x` first keeps the factors
-    (`broadcast_in_dim`), as docs/types/lowrank.md advises."""
-    x, y = random_array(0, (3, 1)), random_array(1, (3, 4))
-    t = qt.LowRank(random_array(2, (3, 2)), random_array(3, (1, 2)))
-    expected = jax.jvp(jax.lax.add, (x, y), (t.materialise(), jnp.zeros_like(y)))[1]
+@pytest.mark.parametrize("op", [jax.lax.add, jax.lax.sub])
+@pytest.mark.parametrize("unit_shape", [(3, 1), (1, 4)])
+@pytest.mark.parametrize("tangent_first", [True, False])
+def test_one_sided_broadcasting_jvp_is_counted_unless_broadcast_first(
+    op, unit_shape, tangent_first
+):
+    """JAX's JVP of `x + y` (or `-`), `x` of shape (3, 1) or (1, 4) and the only
+    one differentiated, squeezes the tangent to a vector and broadcasts that vector
+    outside any rule: the squeeze is counted, and raises under "error". Broadcasting
+    `x` first keeps the factors (`broadcast_in_dim`), as docs/types/lowrank.md
+    advises."""
+    x, y = random_array(0, unit_shape), random_array(1, (3, 4))
+    t = qt.LowRank(
+        random_array(2, (unit_shape[0], 2)), random_array(3, (unit_shape[1], 2))
+    )
+    fn = op if tangent_first else (lambda u, v: op(v, u))
+    expected = jax.jvp(fn, (x, y), (t.materialise(), jnp.zeros_like(y)))[1]
     qt.reset_fallback_counts()
     with qt.fallback("silent"):
-        _, implicit = qt.jvp(jax.lax.add, (x, y), (t, None))
+        _, implicit = qt.jvp(fn, (x, y), (t, None))
     assert not isinstance(implicit, qt.CompressedArray)
-    assert qt.fallback_counts() == {}
+    assert qt.fallback_counts() == {("reshape", "LowRank"): 1}
     assert_close(implicit, expected)
+    with (
+        qt.fallback("error"),
+        pytest.raises(qt.DensificationError, match="broadcast_to"),
+    ):
+        qt.jvp(fn, (x, y), (t, None))
     with qt.fallback("error"):
         _, explicit = qt.jvp(
-            lambda u, v: jnp.broadcast_to(u, v.shape) + v, (x, y), (t, None)
+            lambda u, v: fn(jnp.broadcast_to(u, v.shape), v), (x, y), (t, None)
         )
     assert isinstance(explicit, qt.LowRank)
     assert_close(explicit, expected)
@@ -520,11 +534,59 @@ def test_a_sum_sharing_the_untagged_factor_drops_the_tag(x, seed):
     assert_close(out, x.materialise() + y.materialise(), x.dtype, factor=2.0)
 
 
-def test_sums_of_distinct_factors_concatenate_and_drop_the_tag():
-    x = qt.LowRank(jnp.ones((8, 1)), jnp.ones((9, 1)), projector_side="left")
-    y = qt.LowRank(jnp.ones((8, 1)), jnp.ones((9, 1)), projector_side="left")
-    out = quax.quaxify(jax.lax.add)(x, y)  # equal values, different objects
-    assert out.rank == 2 and out.projector_side is None
+def _tagged(seed, side, projector=None):
+    left, right = random_array(seed, (8, 2)), random_array(seed + 1, (9, 2))
+    if projector is not None:
+        left, right = (projector, right) if side == "left" else (left, projector)
+    return qt.LowRank(left, right, projector_side=side)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_projections_onto_equal_projectors_in_different_arrays_keep_the_rank(side):
+    """A loop carry and a new gradient hold one projector in two arrays: the sum is
+    `LowRank(P, A + B)`, eagerly and under `jit`."""
+    x = _tagged(0, side)
+    projector = jnp.array(x.left if side == "left" else x.right)  # a copy
+    y = _tagged(5, side, projector)
+    expected = x.materialise() + y.materialise()
+    for run in (quax.quaxify(jax.lax.add), jax.jit(quax.quaxify(jax.lax.add))):
+        with qt.fallback("error"):
+            out = run(x, y)
+        assert out.rank == 2 and out.projector_side == side
+        assert_close(out, expected)
+
+
+def test_a_scan_accumulating_projected_gradients_keeps_rank_and_tag():
+    """Levanter-style accumulation: the carry starts as `0 * g`, and each step adds a
+    gradient projected onto the same projector (passed in, so a different array)."""
+    projector = jnp.asarray(np.linalg.qr(random_array(0, (8, 2)))[0])
+    grads = random_array(1, (3, 9, 2))
+
+    def accumulate(projector, grads):
+        def body(total, right):
+            g = qt.LowRank(projector, right, projector_side="left")
+            return total + g, None
+
+        start = qt.LowRank(projector, grads[0] * 0, projector_side="left")
+        return jax.lax.scan(body, start, grads)[0]
+
+    out = jax.jit(quax.quaxify(accumulate))(projector, grads)
+    assert out.rank == 2 and out.projector_side == "left"
+    assert_close(out, projector @ jnp.sum(grads, axis=0).T)
+
+
+def test_projections_onto_different_projectors_are_refused_naming_the_fix():
+    x, y = _tagged(0, "left"), _tagged(5, "left")
+    with pytest.raises(ValueError, match="accumulate_gradients"):
+        quax.quaxify(jax.lax.add)(x, y)
+    with pytest.raises(Exception, match="accumulate_gradients"):
+        jax.block_until_ready(jax.jit(quax.quaxify(jax.lax.add))(x, y))
+    # Untagged, the exact sum at twice the rank.
+    out = quax.quaxify(jax.lax.add)(
+        x.with_projector_side(None), y.with_projector_side(None)
+    )
+    assert out.rank == 4 and out.projector_side is None
+    assert_close(out, x.materialise() + y.materialise())
 
 
 @given(lowrank_values(projector_side="left"), st.floats(-3, 3))
