@@ -61,3 +61,13 @@ def scans_projected(monkeypatch):
 
     monkeypatch.setattr(_marked_scan, "scan_with_projected_xs", counted)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_counts():
+    """Each test starts with no densification counted and nothing warned yet: the
+    warn-once memory is per process, so without this a test's warnings would depend
+    on which tests ran before it in the same worker."""
+    import quax_tangents as qt
+
+    qt.reset_fallback_counts()

@@ -10,6 +10,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
+from .._core._fallback import record_densification
 from .._distributed._layout import constrain, explicit_sharding
 from .._marks._cotangents import Projector
 from .._types.lowrank import LowRank
@@ -126,7 +127,11 @@ def projected(
         `low_rank`) is refused, whatever its rank; or
     - a dense array, projected after the fact as `optax.contrib.galore` does: on a
         refresh step the projector of each slice becomes the top-`rank` singular
-        vectors of that slice's smaller side.
+        vectors of that slice's smaller side. The whole gradient was then computed,
+        so this is counted as a densification and follows
+        [`quax_tangents.fallback`][] (a warning by default, an error under
+        `"error"`): it is what a forgotten mark, or `jax.grad` of a marked loss,
+        gives. Project dense gradients on purpose under `fallback("silent")`.
 
     The projectors are refreshed on the first step and every `refresh_every` steps
     after; between refreshes the projector stays fixed. The decision is carried in
@@ -301,6 +306,7 @@ def _prepare(
                 "with `project=`, or wrap a dense optimiser in "
                 "`quax_tangents.optax.lift`."
             )
+        _record_dense_gradient(path)
         new_projector, factor = project_dense(grad, projector, refresh, plan)
         return new_projector, factor, None
     if isinstance(grad, SparseRows):
@@ -315,6 +321,24 @@ def _prepare(
             "optimiser in `quax_tangents.optax.lift` for other compressed gradients."
         )
     return None, grad, None
+
+
+def _record_dense_gradient(path: str) -> None:
+    # A dense gradient here means the loss computed the whole gradient the
+    # projection exists to avoid (no mark, or `jax.grad` of a marked loss): the step
+    # is right but the saving is gone, so it is a densification like any other.
+    record_densification(
+        "quax_tangents.optax.projected",
+        ("LowRank",),
+        f"the gradient of the projected leaf `{path}` came dense, so the whole "
+        "gradient was computed and is projected after the fact",
+        fix="Mark the weight inside the loss with `quax_tangents.optax.mark(params, "
+        "state)` and take the gradient with `quax_tangents.grad` or "
+        "`quax_tangents.value_and_grad` (`jax.grad` of a marked loss computes the "
+        "dense gradient), or train with `quax_tangents.optax.galore`, which marks "
+        "for you. To project dense gradients on purpose, as GaLore does, run the "
+        "update under `quax_tangents.fallback('silent')`.",
+    )
 
 
 def _unprojected_low_rank(grad: LowRank, rank: int, where: str) -> str:

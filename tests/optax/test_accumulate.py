@@ -14,6 +14,7 @@ import quax
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, heads, random_array
+from tests.helpers.fallback import projects_dense_gradients
 from tests.helpers.matrix_view import (
     DIMS,
     D,
@@ -174,6 +175,7 @@ def test_the_scan_carries_no_weight_shaped_accumulator():
 # optax.MultiSteps
 
 
+@projects_dense_gradients
 def test_multi_steps_on_dense_gradients_raises_naming_accumulate_gradients():
     # MultiSteps masks the inner updates leafwise (a multiply by a bool); on the
     # LowRank updates of `projected` that is arithmetic on their fields, which the
@@ -188,6 +190,7 @@ def test_multi_steps_on_dense_gradients_raises_naming_accumulate_gradients():
         multi.update(g, multi_state, params)
 
 
+@projects_dense_gradients
 def test_multi_steps_on_marked_gradients_raises_naming_accumulate_gradients():
     params = {"w": jnp.zeros((6, 10))}
     multi = optax.MultiSteps(

@@ -12,6 +12,7 @@ import pytest
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array
+from tests.helpers.fallback import projects_dense_gradients
 from tests.helpers.matrix_view import DIMS, D, attention_loss, attention_params
 
 
@@ -46,6 +47,7 @@ def _name(index):
     "shape", [(3, 6, 10), (3, 10, 6), (2, 3, 6, 10)], ids=["wide", "tall", "2-batch"]
 )
 @pytest.mark.parametrize("marked", [True, False], ids=["LowRank", "dense"])
+@projects_dense_gradients
 def test_stacked_leaf_equals_a_loop_over_its_slices(shape, marked):
     rng = np.random.default_rng(0)
     batch, (m, n) = shape[:-2], shape[-2:]
@@ -139,6 +141,7 @@ def test_project_as_a_pytree_callable_prefix_or_module_selects_the_same_leaves()
         assert _plan_of(state) == expected
 
 
+@projects_dense_gradients
 def test_project_as_an_equinox_module_of_bools():
     params = eqx.filter(_model(), eqx.is_array)
     mask = jax.tree.map(lambda x: x.ndim == 2 and x.shape[0] > RANK, params)
@@ -188,6 +191,7 @@ def test_rows_and_project_on_one_leaf_raise():
 @pytest.mark.parametrize(
     "shape, dims", [((6, 2, 5), (0, 1)), ((3, 6, 2, 5), (1, 1)), ((10, 2, 3), (0, 2))]
 )
+@projects_dense_gradients
 def test_dims_projects_the_matrix_view(shape, dims):
     rng = np.random.default_rng(1)
     batch_ndim, row_ndim = dims
@@ -213,6 +217,7 @@ def test_dims_projects_the_matrix_view(shape, dims):
         )
 
 
+@projects_dense_gradients
 def test_a_step_on_marked_viewed_leaves_equals_the_step_on_dense_gradients():
     params = attention_params()
     x = random_array(4, (2, 4, D))
@@ -268,6 +273,7 @@ def _three_leaves(rng):
     [0.05, optax.linear_schedule(0.1, 0.01, 3)],
     ids=["float", "schedule"],
 )
+@projects_dense_gradients
 def test_learning_rate_equals_scale_by_learning_rate_inside_base(learning_rate):
     rng = np.random.default_rng(2)
     params = {**_three_leaves(rng), "t": jnp.zeros((9, 3))}

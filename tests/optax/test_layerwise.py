@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array, seeds
+from tests.helpers.fallback import projects_dense_gradients
 
 
 def _params(seed: int, layers: int, extra_rows: int) -> dict:
@@ -60,6 +61,7 @@ def qto_leaf(x) -> bool:
 @pytest.mark.parametrize("name", list(_transformations(1)))
 @settings(max_examples=2, deadline=None)
 @given(seed=seeds(), layers=st.integers(1, 3), extra_rows=st.integers(0, 2))
+@projects_dense_gradients
 def test_layerwise_equals_the_transformation_it_wraps(name, seed, layers, extra_rows):
     params = _params(seed, layers, extra_rows)
     grads = [
@@ -124,6 +126,7 @@ def test_a_new_state_leaf_that_is_the_gradients_own_array_is_passed_through():
         assert_close(a, b)
 
 
+@projects_dense_gradients
 def test_a_projected_matrix_without_layer_axis_goes_whole():
     # Its rows are not independent: cutting them would project each slice alone.
     params = {"w": random_array(0, (6, 8)), "v": random_array(1, (3, 4, 4))}

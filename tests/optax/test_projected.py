@@ -11,6 +11,7 @@ import pytest
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close
+from tests.helpers.fallback import projects_dense_gradients
 
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -82,6 +83,7 @@ def _top_singular_vectors(g, rank):
 
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+@projects_dense_gradients
 def test_dense_gradient_projected_after_the_fact(shape):
     rng = np.random.default_rng(1)
     grads = _gradients(rng, shape, 3)
@@ -93,6 +95,48 @@ def test_dense_gradient_projected_after_the_fact(shape):
         assert_close(updates["w"], expected, factor=10)
 
 
+def _linear_loss(params, x):
+    return jnp.sum(jnp.tanh(x @ params["w"]))
+
+
+@pytest.mark.parametrize("gradient", ["unmarked", "jax.grad of marked"])
+def test_a_dense_gradient_for_a_projected_leaf_is_counted_and_names_the_mark(gradient):
+    # The saving is lost without a word unless a dense gradient is a densification:
+    # the user forgot the mark, or took `jax.grad` of a marked loss (which computes the
+    # whole gradient, then projects it).
+    params = {"w": jnp.ones((6, 10)) / 10}
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 6)), jnp.float32)
+    state = _TX.init(params)
+    if gradient == "unmarked":
+        grads = qt.grad(_linear_loss)(params, x)
+    else:
+        grads = jax.grad(lambda p: _linear_loss(qto.mark(p, state), x))(params)
+    assert not isinstance(grads["w"], qt.CompressedArray)
+    key = ("quax_tangents.optax.projected", "LowRank")
+    with pytest.warns(qt.DensificationWarning, match=r"\['w'\].*optax\.mark"):
+        updates, _ = _TX.update(grads, state)
+    assert isinstance(updates["w"], qt.LowRank)
+    assert qt.fallback_counts() == {key: 1}
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="mark"):
+        _TX.update(grads, state)
+    with qt.fallback("silent"):
+        jax.jit(lambda g, s: _TX.update(g, s))(grads, state)
+    # Counted once per trace, as every rule's densification, the refused one too.
+    assert qt.fallback_counts() == {key: 3}
+
+
+def test_a_marked_gradient_for_a_projected_leaf_is_not_counted():
+    params = {"w": jnp.ones((6, 10)) / 10}
+    x = jnp.ones((3, 6))
+    state = _TX.init(params)
+    grads = qt.grad(lambda p: _linear_loss(qto.mark(p, state), x))(params)
+    with qt.fallback("error"):
+        updates, _ = jax.jit(_TX.update)(grads, state)
+    assert isinstance(updates["w"], qt.LowRank)
+    assert qt.fallback_counts() == {}
+
+
+@projects_dense_gradients
 def test_refreshes_on_schedule_with_one_compiled_step():
     tx = qto.projected(optax.scale_by_adam(), rank=RANK, refresh_every=3)
     params = {"dense": jnp.zeros((5, 8)), "marked": jnp.zeros((9, 4))}
@@ -134,6 +178,7 @@ def test_refreshes_on_schedule_with_one_compiled_step():
             assert changed == refreshes[t], (name, t)
 
 
+@projects_dense_gradients
 def test_vectors_go_through_base_unprojected():
     tx = qto.projected(optax.scale_by_adam(), rank=RANK)
     params = {"w": jnp.zeros((6, 10)), "b": jnp.zeros(10), "s": jnp.zeros((2, 3))}
@@ -179,6 +224,7 @@ def _lazy_reference(num_rows, dim, steps):
     return out
 
 
+@projects_dense_gradients
 def test_sparse_rows_update_only_the_rows_read():
     num_rows, dim = 9, 3
     tx = qto.projected(
