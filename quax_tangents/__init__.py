@@ -23,7 +23,6 @@ from ._autodiff._forward import (
     ForwardGradInfo as ForwardGradInfo,
     forward_grad as forward_grad,
 )
-from ._autodiff._primitives import compress as compress, materialise as materialise
 from ._core._base import (
     ChunkCompressor as ChunkCompressor,
     CompressedArray as CompressedArray,
@@ -32,6 +31,7 @@ from ._core._checkpoint import (
     tree_deserialise_leaves as tree_deserialise_leaves,
     tree_serialise_leaves as tree_serialise_leaves,
 )
+from ._core._devices import device_varying as device_varying
 from ._core._fallback import (
     DensificationError as DensificationError,
     DensificationWarning as DensificationWarning,
@@ -60,7 +60,6 @@ from ._distributed._collective import (
     PowerSum as PowerSum,
     all_reduce as all_reduce,
 )
-from ._distributed._devices import device_varying as device_varying
 from ._distributed._hlo import (
     Collective as Collective,
     collectives as collectives,
@@ -80,6 +79,7 @@ from ._marks._cotangents import (
     projected_cotangent as projected_cotangent,
     sparse_rows_cotangent as sparse_rows_cotangent,
 )
+from ._types._primitives import compress as compress, materialise as materialise
 from ._types.lowrank import LowRank as LowRank, low_rank as low_rank
 from ._types.quantized import Quantized as Quantized, quantize as quantize
 from ._types.rows import SparseRows as SparseRows

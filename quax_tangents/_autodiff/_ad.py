@@ -20,6 +20,7 @@ from .._core._trace import enter_trace
 from .._differentiable import merge_structures, split_structures, through_views
 from .._marks import _cotangents
 from .._marks._matrix_view import unwrap_stored_views
+from .._types._primitives import compress_p, outer_p
 from ._arguments import (
     argnums_positions,
     as_pytree_callable,
@@ -32,7 +33,6 @@ from ._arguments import (
     is_value,
     returning_pair,
 )
-from ._primitives import compress_p, outer_p
 
 
 # ---------------------------------------------------------------------------------------

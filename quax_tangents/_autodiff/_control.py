@@ -35,7 +35,7 @@ from .._core._compat import (
 )
 from .._core._fallback import dry_run, record_densification
 from .._core._registry import rule
-from .._distributed._sharding import sliced_struct
+from .._core._sharding import sliced_struct
 from .._marks import _marked_scan
 from .._marks._cotangents import mark_p
 from .._marks._projection import (
@@ -45,8 +45,8 @@ from .._marks._projection import (
     projection_p,
     rows_p,
 )
+from .._types._primitives import compress_p, outer_p
 from .._types.lowrank import LowRank
-from ._primitives import compress_p, outer_p
 
 
 _CONSTRUCTION = (

@@ -47,7 +47,7 @@ from .._core._compat import (
     wrap_if_array,
 )
 from .._core._fallback import record_densification
-from .._distributed._sharding import explicit_axes, spec_entries, varying_axes
+from .._core._sharding import explicit_axes, spec_entries, varying_axes
 from .._types.lowrank import LowRank
 
 

@@ -16,7 +16,7 @@ import quax
 from jaxtyping import Array, ArrayLike, PyTree
 from quax.examples.zero import Zero
 
-from .._distributed._devices import dense_all_reduce
+from ._devices import dense_all_reduce
 from ._fallback import record_densification
 from ._guard import GUARD_MESSAGE, guard, is_guard
 from ._lax import add_any_p

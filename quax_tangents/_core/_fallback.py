@@ -145,6 +145,19 @@ def reset_fallback_counts() -> None:
     _warned.clear()
 
 
+def saved_counts() -> tuple[Counter, Counter]:
+    """A copy of the densification and budget counters, for `restore_counts`."""
+    return Counter(_densify_counts), Counter(_budget_counts)
+
+
+def restore_counts(saved: tuple[Counter, Counter]) -> None:
+    """Puts back counters from `saved_counts`: a trace that is thrown away and run
+    again must not count its densifications twice."""
+    for counter, values in zip((_densify_counts, _budget_counts), saved):
+        counter.clear()
+        counter.update(values)
+
+
 def record_densification(
     primitive: str, type_names: tuple[str, ...], reason: str, fix: str | None = None
 ) -> None:

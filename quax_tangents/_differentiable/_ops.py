@@ -8,8 +8,8 @@ import jax.tree_util as jtu
 import quax
 from jaxtyping import Array, PyTree, Scalar
 
-from .._autodiff._primitives import materialise
 from .._core._base import CompressedArray
+from .._types._primitives import materialise
 from ._checks import check_custom_zero, check_tangent_class, leaf_dtype
 from ._fields import (
     DIFFERENTIABLE,

@@ -22,15 +22,15 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Float, PyTree
 
 from .._core._base import CompressedArray
-from .._core._unchecked import unchecked
-from .._types.lowrank import LowRank
-from .._types.signnorm import SignNorm
-from ._devices import (
+from .._core._devices import (
     AxisName,
     axis_size,
     dense_all_reduce,
     gather,
 )
+from .._core._unchecked import unchecked
+from .._types.lowrank import LowRank
+from .._types.signnorm import SignNorm
 from ._scatter import TwoPhase
 from ._schedule import Cheapest
 

@@ -17,8 +17,8 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from .._core._base import ChunkCompressor, CompressedArray, map_fields
+from .._core._devices import AxisName, axes_of, axis_size, gather, vary_leaf
 from .._core._validate import values_unchecked
-from ._devices import AxisName, axes_of, axis_size, gather, vary_leaf
 
 
 # ---------------------------------------------------------------------------------------

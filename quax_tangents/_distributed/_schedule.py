@@ -24,12 +24,12 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._core._base import CompressedArray
+from .._core._devices import AxisName, axis_size, dense_all_reduce, shared_factor
 from .._core._fallback import record_densification
 from .._core._guard import is_guard
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from .._types.sparse import Sparse
-from ._devices import AxisName, axis_size, dense_all_reduce, shared_factor
 from ._scatter import TwoPhase, chunk_elems
 
 

@@ -3,3 +3,7 @@
 marked weight seen through row reads, scans, `shard_map` and reshapes (`_marked_*`),
 weights marked through their matrix view (`_matrix_view`), and the check of a
 user's projector (`_orthonormal`)."""
+
+# `Marked`'s rules live in one module per kind of use; importing them registers them,
+# here, in one place (`_marked.py` holds the type they all build on).
+from . import _marked_dot, _marked_rows, _marked_sharding, _marked_views  # noqa: F401

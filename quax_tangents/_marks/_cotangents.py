@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -133,7 +132,7 @@ def factored_cotangent(w: Float[Array, "*batch m n"]) -> Float[Array, "*batch m 
     `w`.
     """
     _check_matrix("w", w)
-    return _mark(Finish("factored"), w, ())
+    return bind_mark(Finish("factored"), w, ())
 
 
 def projected_cotangent(
@@ -197,7 +196,7 @@ def projected_cotangent(
     else:
         source, operands = "given", (_check_projector(projector, w, rank),)
     spec = Finish("projected", rank, iters, source, key_impl)
-    return _mark(spec, w, operands)
+    return bind_mark(spec, w, operands)
 
 
 def sparse_rows_cotangent(
@@ -226,7 +225,7 @@ def sparse_rows_cotangent(
     `table`.
     """
     _check_matrix("table", table)
-    return _mark(Finish("rows"), table, ())
+    return bind_mark(Finish("rows"), table, ())
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,7 +326,7 @@ _trace_mode: Callable[[str], Any] = (
 )
 
 
-def _mark(spec: Finish, w: Any, operands: tuple) -> Any:
+def bind_mark(spec: Finish, w: Any, operands: tuple) -> Any:
     if _state.mode == "probe":
         raise _NeedsInnerLayer
     if _state.mode == "inner":
@@ -339,14 +338,13 @@ def traced_with_marks(trace: Callable[[], _T]) -> _T:
     """Runs an entry point's `trace()`, and runs it again with the inner layer
     (`inner_layer`) when a mark is used; the counts of the first run are undone."""
     previous = _state.mode
-    counts = Counter(_fallback._densify_counts), Counter(_fallback._budget_counts)
+    counts = _fallback.saved_counts()
     _state.mode = "probe"
     try:
         with _trace_mode("probe"):
             return trace()
     except _NeedsInnerLayer:
-        _restore(_fallback._densify_counts, counts[0])
-        _restore(_fallback._budget_counts, counts[1])
+        _fallback.restore_counts(counts)
         _state.mode = "inner"
         with _trace_mode("inner"):
             return trace()
@@ -355,11 +353,6 @@ def traced_with_marks(trace: Callable[[], _T]) -> _T:
         if previous is None:
             _state.pushable.clear()
             _state.projected_by_scan.clear()
-
-
-def _restore(counter: Counter, saved: Counter) -> None:
-    counter.clear()
-    counter.update(saved)
 
 
 def tracing_inner_layer() -> bool:

@@ -1,5 +1,5 @@
 """`Marked`: a weight marked for a compressed cotangent, as the inner trace sees it,
-with every rule it registers.
+with the rules that need nothing else.
 
 Where the weight meets `dot_general` (contracting one side of each matrix) the product
 runs through a `jax.custom_vjp` whose backward pass gives the weight the `OuterSum` of
@@ -7,10 +7,10 @@ the product's input and output cotangent (`outer_sum_p`), never the dense gradie
 a transpose or a floating cast keeps the mark; any other use takes the weight itself
 and makes its cotangent dense, counted (`Marked.default`). Row gathers of a row-marked
 table, reshaped views and device-varying marks live in `_marked_rows`,
-`_marked_views` and `_marked_sharding`.
+`_marked_views` and `_marked_sharding`, its products and transposes in `_marked_dot`;
+`_marks/__init__.py` imports them all, which registers their rules.
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +20,10 @@ import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
 import quax
-from jaxtyping import Array, ArrayLike
+from jaxtyping import Array
 
-from .._core import _fallback
+from .._core import _fallback, _sharding
 from .._core._registry import rule
-from .._distributed import _sharding
 from ._projection import outer_sum_p
 
 
@@ -121,17 +120,6 @@ def seen(array: Array, transposed: bool, cast: Any, view: tuple | None) -> Array
     return array if cast is None else array.astype(cast)
 
 
-@rule(jax.lax.transpose_p, dense_output=True)
-def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
-    if w.view is not None:
-        return _marked_views.transpose_view(w, tuple(permutation))
-    nb = w.ndim - 2
-    batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
-    if batch != tuple(range(nb)):
-        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
-    return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
-
-
 @rule(jax.lax.convert_element_type_p, dense_output=True)
 def _convert_marked(w: Marked, *, new_dtype: Any, **params: Any) -> Any:
     """A floating cast (a bf16 compute copy of an f32 weight) keeps the mark: the
@@ -171,123 +159,3 @@ def factored_product(gradient_factors: Callable) -> Callable:
     product = jax.custom_vjp(lambda dot, x, w: dot.bind(x, w), nondiff_argnums=(0,))
     product.defvjp(forward, backward)
     return product
-
-
-@dataclasses.dataclass(frozen=True)
-class _Dot:
-    """A `dot_general` whose operand `w_is_lhs` is the (maybe transposed, maybe cast)
-    weight with `batch_ndim` leading batch dims."""
-
-    params: tuple
-    w_is_lhs: bool
-    transposed: bool
-    batch_ndim: int = 0
-    cast: Any = None
-
-    def bind(self, x: Any, w: Any) -> Any:
-        w = jnp.swapaxes(w, -1, -2) if self.transposed else w
-        w = w if self.cast is None else w.astype(self.cast)
-        lhs, rhs = (w, x) if self.w_is_lhs else (x, w)
-        return jax.lax.dot_general_p.bind(lhs, rhs, **dict(self.params))
-
-
-def _dims(dot: _Dot) -> tuple[tuple, tuple, tuple, tuple]:
-    """`(x's contracting, w's contracting, x's batch, w's batch)` dims."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = dict(dot.params)["dimension_numbers"]
-    if dot.w_is_lhs:
-        return tuple(rhs_c), tuple(lhs_c), tuple(rhs_b), tuple(lhs_b)
-    return tuple(lhs_c), tuple(rhs_c), tuple(lhs_b), tuple(rhs_b)
-
-
-def _contraction(dot: _Dot) -> tuple[int, int] | None:
-    """`(x's contracting dim, w's contracting dim)` when the dot contracts exactly
-    one matrix dim of the weight and its batch dims are exactly the weight's batch
-    dims, in order; otherwise `None`."""
-    x_c, w_c, _, w_b = _dims(dot)
-    nb = dot.batch_ndim
-    if w_b != tuple(range(nb)) or len(w_c) != 1 or w_c[0] < nb:
-        return None
-    return x_c[0], w_c[0]
-
-
-def _gradient_factors(dot: _Dot, x: Array, ct: Array) -> tuple[Array, Array]:
-    """`(a, b)` `(*batch, R, .)` with the weight's gradient `a^T b` per batch
-    element: `x` and `ct` flattened over the rows that the product sums over."""
-    contraction = _contraction(dot)
-    assert contraction is not None
-    x_c, w_c = contraction
-    _, _, x_b, _ = _dims(dot)
-    nb = dot.batch_ndim
-    rows_x = jnp.moveaxis(x, (*x_b, x_c), (*range(nb), x.ndim - 1))
-    rows_x = rows_x.reshape(rows_x.shape[:nb] + (-1, rows_x.shape[-1]))
-    # The output is (*batch, lhs free, rhs free); the weight's one free dim comes
-    # first among the free dims (w on the left) or last.
-    rows_ct = jnp.moveaxis(ct, nb, -1) if dot.w_is_lhs else ct
-    rows_ct = rows_ct.reshape(rows_ct.shape[:nb] + (-1, rows_ct.shape[-1]))
-    # The gradient of the operand (w or w.T) is x^T ct if its contracting dim comes
-    # first, ct^T x otherwise; transposing the operand swaps them again.
-    x_first = (w_c == nb) != dot.transposed
-    return (rows_x, rows_ct) if x_first else (rows_ct, rows_x)
-
-
-_factored_dot = factored_product(_gradient_factors)
-
-
-def _dot_marked(x: Any, w: Marked, w_is_lhs: bool, params: dict) -> Any:
-    if w.view is not None:
-        return _marked_views.dot_view(x, w, w_is_lhs, params)
-    dot = _Dot(
-        tuple(sorted(params.items())),
-        w_is_lhs,
-        w.transposed,
-        w.ndim - 2,
-        w.compute_dtype,
-    )
-    if w.kind != "rows" and _contraction(dot) is None:
-        _record_other_contraction(w, dot)
-        operands = (w.materialise(), x) if w_is_lhs else (x, w.materialise())
-        return jax.lax.dot_general_p.bind(*operands, **params)
-    if w.kind == "rows":
-        return Marked.default(
-            jax.lax.dot_general_p, (w, x) if w_is_lhs else (x, w), params
-        )
-    return _factored_dot(dot, x, w.array)
-
-
-def _record_other_contraction(w: Marked, dot: _Dot) -> None:
-    """Counts a product that does not contract exactly one side of each matrix of
-    the marked stack, and says why: a `(d, heads, head_dim)` weight marked in its
-    own dims is a stack of `d` matrices `(heads, head_dim)`, and contracting `d`
-    contracts its stack dim."""
-    _, w_c, _, w_b = _dims(dot)
-    nb = dot.batch_ndim
-    shape = tuple(w.aval().shape)
-    _fallback.record_densification(
-        "dot_general",
-        ("Marked",),
-        f"a product that contracts dims {list(w_c)} and batches dims {list(w_b)} of "
-        f"a marked weight of shape {list(shape)}, which the mark sees as a stack "
-        f"{list(shape[:nb])} of {shape[nb:]} matrices: its cotangent stays "
-        "compressed only for a product that contracts one side of each matrix, "
-        "with the stack dims as batch dims",
-        "Store such a weight as the matrix the product uses (a `(d, heads, "
-        "head_dim)` weight as `(d, heads * head_dim)`) and reshape it in the "
-        "forward pass, or compute its gradient with "
-        "`quax_tangents.optax.accumulate_gradients` and `projected(dims=...)`, "
-        "which mark the matrix view.",
-    )
-
-
-@rule(jax.lax.dot_general_p, dense_output=True)
-def _dot_dense_marked(x: ArrayLike, w: Marked, **params: Any) -> Array:
-    return _dot_marked(x, w, False, params)
-
-
-@rule(jax.lax.dot_general_p, dense_output=True)
-def _dot_marked_dense(w: Marked, x: ArrayLike, **params: Any) -> Array:
-    return _dot_marked(x, w, True, params)
-
-
-# Row gathers of a row-marked table, reshaped and device-varying views of a marked
-# weight; imported last, as they build on `Marked`.
-from . import _marked_rows, _marked_sharding, _marked_views  # noqa: E402, F401

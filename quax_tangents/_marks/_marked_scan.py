@@ -27,7 +27,7 @@ import numpy as np
 import quax
 
 from .._core._compat import scan_counts
-from .._distributed._layout import constrain, drop_leading
+from .._core._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
 from ._projection import projected_factor, projection, test_matrix, typed_as

@@ -14,8 +14,8 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from .._core._compat import pvary_p, reshard_p
+from .._core._devices import vary_leaf
 from .._core._registry import rule
-from .._distributed._devices import vary_leaf
 from ._marked import Marked
 
 

@@ -35,10 +35,10 @@ import jax.tree_util as jtu
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike, PyTree
 
-from .._autodiff._primitives import _define as define_batched
 from .._core._base import CompressedArray
 from .._core._registry import rule
 from .._core._unchecked import unchecked
+from .._types._primitives import define_batched
 from .._types.lowrank import LowRank
 from . import _cotangents
 

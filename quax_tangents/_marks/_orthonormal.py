@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core._fallback import fallback_mode
+from .._core._sharding import batched_gram
 from .._core._validate import is_concrete
-from .._distributed._sharding import batched_gram
 
 
 def orthonormality_tolerance(dtype: Any, side: int) -> float:

@@ -26,16 +26,16 @@ import jax.tree_util as jtu
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
-from .._autodiff._primitives import (
-    _define as define_batched,
-    _outer_abstract,
-    _outer_dense,
-)
+from .._core import _sharding
 from .._core._fallback import record_densification
+from .._core._layout import constrain, drop_leading
 from .._core._registry import rule
 from .._core._unchecked import unchecked
-from .._distributed import _sharding
-from .._distributed._layout import constrain, drop_leading
+from .._types._primitives import (
+    define_batched,
+    outer_abstract,
+    outer_dense,
+)
 from .._types.lowrank import LowRank, within_budget
 from .._types.outer import OuterSum
 from .._types.rows import SparseRows
@@ -52,7 +52,7 @@ def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> N
 # `a` `(*batch, R, m)` and `b` `(*batch, R, n)` (one gradient per batch element)
 
 outer_sum_p = jexc.Primitive("outer_sum")
-define_batched(outer_sum_p, _outer_dense, _outer_abstract)
+define_batched(outer_sum_p, outer_dense, outer_abstract)
 
 
 @rule(outer_sum_p)

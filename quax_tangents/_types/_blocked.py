@@ -23,9 +23,9 @@ from jaxtyping import Array, ArrayLike
 
 from .._core import _validate
 from .._core._base import CompressedArray, densify
+from .._core._devices import axis_size, gather
 from .._core._registry import rule
 from .._core._unchecked import unchecked
-from .._distributed._devices import axis_size, gather
 
 
 def event_size(event_shape: Sequence[int]) -> int:

@@ -23,11 +23,11 @@ from jaxtyping import Array, ArrayLike, Float
 
 from .._core._base import CompressedArray, densify
 from .._core._compat import psum_invariant_p, reshard_p
+from .._core._devices import gather_along
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
-from .._distributed._devices import gather_along
-from .._distributed._sharding import (
+from .._core._sharding import (
     explicit_axes,
     factored_type,
     spec_entries,

@@ -22,10 +22,10 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import _validate
 from .._core._base import ChunkCompressor, CompressedArray, densify, install_guard
+from .._core._devices import axis_size, gather_along
 from .._core._fallback import record_dense_result, record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
-from .._distributed._devices import axis_size, gather_along
 from . import _flat_index as _ix
 
 

@@ -35,15 +35,15 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
-from .._core._unchecked import unchecked
-from .._distributed._layout import constrain, drop_leading, explicit_sharding
-from .._distributed._sharding import (
+from .._core._layout import constrain, drop_leading, explicit_sharding
+from .._core._sharding import (
     column_signs,
     orthonormal_columns,
     top_left_singular,
 )
+from .._core._unchecked import unchecked
 from .._marks._cotangents import (
-    _mark as bind_mark,
+    bind_mark,
     projected_cotangent,
     sparse_rows_cotangent,
 )
@@ -226,7 +226,7 @@ def _pass(
 ) -> tuple[Array, Any, list]:
     """(mean loss, stacked aux, mean contributions per leaf) over the microbatches.
     `shardings`: per leaf, the weight's `NamedSharding` or None; each running sum is
-    laid out like its weight (see `quax_tangents._distributed._layout`)."""
+    laid out like its weight (see `quax_tangents._core._layout`)."""
     paths = [
         jtu.keystr(p)
         for p, _ in jtu.tree_flatten_with_path(

@@ -12,7 +12,7 @@ from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
-from .._distributed._sharding import factors_like, matmul
+from .._core._sharding import factors_like, matmul
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 

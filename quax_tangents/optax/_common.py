@@ -13,8 +13,8 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
+from .._core._devices import axis_is_bound, device_varying
 from .._distributed._collective import all_reduce
-from .._distributed._devices import axis_is_bound, device_varying
 
 
 Filter = Callable[[Any], bool] | PyTree[bool] | None

@@ -12,9 +12,9 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._core._base import ChunkCompressor, CompressedArray
+from .._core._devices import axis_is_bound, axis_size, device_varying
 from .._core._validate import values_unchecked
 from .._distributed._collective import GatherSum, all_reduce
-from .._distributed._devices import axis_is_bound, axis_size, device_varying
 from .._distributed._scatter import (
     chunk_elems,
     compressed_reduce_scatter,

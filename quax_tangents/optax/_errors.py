@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._distributed._devices import axis_is_bound, device_varying
+from .._core._devices import axis_is_bound, device_varying
 from .._types.quantized import Quantized, quantize
 from ._common import AxisName, materialised
 

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._distributed._sharding import explicit_axes, spec_entries
+from .._core._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
 from ._common import Filter, check_int

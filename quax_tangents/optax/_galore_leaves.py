@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from .._core._layout import factor_layout
 from .._core._unchecked import unchecked
-from .._distributed._layout import factor_layout
 from .._types.lowrank import LowRank
 from ._common import Filter, mask_flags
 

@@ -16,7 +16,7 @@ from jaxtyping import PyTree
 
 from .._core._fallback import dry_run
 from .._core._guard import guard, is_guard
-from .._distributed._sharding import like
+from .._core._sharding import like
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed

@@ -12,8 +12,8 @@ import optax
 from jax import lax
 from jaxtyping import Array, PyTree
 
+from .._core._devices import dense_all_reduce
 from .._distributed._collective import orthonormalise, start_q
-from .._distributed._devices import dense_all_reduce
 from ._common import (
     AxisName,
     Filter,

@@ -11,7 +11,7 @@ import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
 from .._core._fallback import record_densification
-from .._distributed._layout import constrain, explicit_sharding
+from .._core._layout import constrain, explicit_sharding
 from .._marks._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows

@@ -9,7 +9,7 @@ import pytest
 import quax
 
 import quax_tangents as qt
-from quax_tangents._autodiff._primitives import compress_p
+from quax_tangents._types._primitives import compress_p
 from tests.helpers import assert_close, random_array
 
 

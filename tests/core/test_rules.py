@@ -89,7 +89,13 @@ def test_rule_matches_dense(entry):
             f"{_rule_id(entry)} was not dispatched; got "
             f"{[_rule_id(e) for e in dispatched]}"
         )
-        if entry.fn.__module__.startswith("quax_tangents._types"):
+        # `compress`'s rule calls the user's compressor, whose public constructors
+        # check their values as they should; the types' own rules do not.
+        from_user_code = entry.fn.__module__ == "quax_tangents._types._primitives"
+        if (
+            entry.fn.__module__.startswith("quax_tangents._types")
+            and not from_user_code
+        ):
             # Rule outputs are built unchecked: a value check would sync eagerly.
             assert checks == [], f"{_rule_id(entry)} ran value checks on {checks}"
         if example.out_type is not None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from hypothesis import assume, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._autodiff._primitives import compress_p, materialise_p, outer_p
+from quax_tangents._types._primitives import compress_p, materialise_p, outer_p
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
 from tests.helpers.lowrank import lowrank_values

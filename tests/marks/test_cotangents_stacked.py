@@ -584,12 +584,12 @@ def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
 
 
 def _given_into(projectors, totals):
-    from quax_tangents._marks._cotangents import _mark
+    from quax_tangents._marks._cotangents import bind_mark
     from quax_tangents._marks._projection import Finish
 
     spec = Finish("projected", R, 0, "given_into")
     return lambda params: {
-        name: _mark(spec, w, (projectors[name], totals[name]))
+        name: bind_mark(spec, w, (projectors[name], totals[name]))
         for name, w in params.items()
     }
 
@@ -731,7 +731,7 @@ def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
     # A "sketch_key_into" mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
     # for a tall weight) slice by slice, with each slice's test matrix drawn from its
     # key as the range finder draws it, against the dense gradient.
-    from quax_tangents._marks._cotangents import _mark
+    from quax_tangents._marks._cotangents import bind_mark
     from quax_tangents._marks._projection import Finish, test_matrix
 
     params = stacked_params(batch, M, N)
@@ -747,7 +747,8 @@ def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
 
     def mark(params):
         return {
-            name: _mark(spec, w, (key_data, totals[name])) for name, w in params.items()
+            name: bind_mark(spec, w, (key_data, totals[name]))
+            for name, w in params.items()
         }
 
     with qt.fallback("error"):

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import quax_tangents.optax as qto
-from quax_tangents._distributed._layout import constrain, factor_layout
+from quax_tangents._core._layout import constrain, factor_layout
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     enough_devices,

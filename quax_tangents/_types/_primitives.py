@@ -22,7 +22,7 @@ from jaxtyping import ArrayLike, PyTree
 from .._core._base import materialise_values
 from .._core._registry import rule
 from .._core._validate import values_unchecked
-from .._types.lowrank import LowRank, within_budget
+from .lowrank import LowRank, within_budget
 
 
 def _map_leading(fn: Callable, batch_ndim: int) -> Callable:
@@ -37,7 +37,7 @@ def _move_batch_to_front(x: Any, dim: Any, size: int) -> Any:
     return jnp.moveaxis(x, dim, 0)
 
 
-def _define(
+def define_batched(
     primitive: jexc.Primitive,
     dense: Callable[..., Any],
     abstract: Callable[..., Any],
@@ -80,7 +80,7 @@ def _compress_abstract(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
     return jax.core.ShapedArray(x.shape, x.dtype)
 
 
-_define(compress_p, _compress_dense, _compress_abstract)
+define_batched(compress_p, _compress_dense, _compress_abstract)
 # A projection: for higher-order AD it is applied to tangents and cotangents alike.
 ad.deflinear(compress_p, lambda ct, **params: [compress_p.bind(ct, **params)])
 
@@ -124,7 +124,7 @@ def compress(x: PyTree, compressor: Callable[[Any], Any]) -> PyTree:
 # materialise: the identity, which makes a compressed value dense on purpose
 
 materialise_p = jexc.Primitive("materialise")
-_define(
+define_batched(
     materialise_p,
     lambda x, *, batch_ndim: x,
     lambda x, *, batch_ndim: jax.core.ShapedArray(x.shape, x.dtype),
@@ -184,17 +184,17 @@ def _flatten_rows(a: Any, batch_ndim: int) -> Any:
     return a.reshape(a.shape[:batch_ndim] + (-1, a.shape[-1]))
 
 
-def _outer_dense(x: Any, ct: Any, *, batch_ndim: int) -> Any:
+def outer_dense(x: Any, ct: Any, *, batch_ndim: int) -> Any:
     x, ct = _flatten_rows(x, batch_ndim), _flatten_rows(ct, batch_ndim)
     return jnp.matmul(jnp.swapaxes(x, -1, -2), ct)
 
 
-def _outer_abstract(x: Any, ct: Any, *, batch_ndim: int) -> Any:
+def outer_abstract(x: Any, ct: Any, *, batch_ndim: int) -> Any:
     shape = x.shape[:batch_ndim] + (x.shape[-1], ct.shape[-1])
     return jax.core.ShapedArray(shape, jnp.result_type(x.dtype, ct.dtype))
 
 
-_define(outer_p, _outer_dense, _outer_abstract)
+define_batched(outer_p, outer_dense, outer_abstract)
 
 
 def _aval_shape(a: Any) -> tuple[int, ...]:

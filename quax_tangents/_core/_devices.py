@@ -15,8 +15,8 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, PyTree
 
-from .._core._compat import check_vma_enabled
-from .._core._guard import is_guard
+from ._compat import check_vma_enabled
+from ._guard import is_guard
 
 
 AxisName = Hashable | tuple[Hashable, ...]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._distributed import _sharding
+from quax_tangents._core import _sharding
 from quax_tangents._marks import _projection
 from tests.helpers import assert_close
 
