@@ -22,7 +22,7 @@ then checks:
   `(n, r)` per round, in float32 and bfloat16;
 - rank-4 PowerSGD's test accuracy is within 1 point of dense training (mean over
   seeds);
-- the two-phase all-reduce (`qto.compress(..., two_phase=True)`) of int8 and sign
+- the two-phase all-reduce (`qto.compress_updates(..., method=qt.TwoPhase())`) of int8 and sign
   gradients receives at most `2.2 * dense_bytes / compression_ratio` bytes per
   device per step (int8: >= 1.8x fewer than the dense ring all-reduce; sign: >= 14x
   fewer), and its step takes at most 1.5x the dense step's wall time (measured side
@@ -92,14 +92,14 @@ def two_phase_methods() -> dict:
     """The two-phase variants of the example's int8 and sign methods."""
     axis = example.AXIS
     return {
-        "int8-two-phase": lambda: qto.compress(
+        "int8-two-phase": lambda: qto.compress_updates(
             ft.partial(qt.quantize, bits=8),
             error_feedback=None,
             axis_name=axis,
-            two_phase=True,
+            method=qt.TwoPhase(),
         ),
-        "sign-ef-two-phase": lambda: qto.compress(
-            qt.sign_norm, error_feedback="ef", axis_name=axis, two_phase=True
+        "sign-ef-two-phase": lambda: qto.compress_updates(
+            qt.sign_norm, error_feedback="ef", axis_name=axis, method=qt.TwoPhase()
         ),
     }
 
@@ -187,8 +187,8 @@ def single_matrix_bytes(
         return sum(c.operand_bytes for c in found if c.kind == "all-reduce")
 
     return (
-        reduced(qt.collectives(lowered)),
-        reduced(qt.collectives(lowered.compile())),
+        reduced(qt.hlo.collectives(lowered)),
+        reduced(qt.hlo.collectives(lowered.compile())),
         iters * rank * (m + n) * jnp.dtype(dtype).itemsize,
     )
 
@@ -197,9 +197,9 @@ def single_matrix_bytes(
 # Bytes received, step times and the device-count sweep
 
 
-def received(found: list[qt.Collective], devices: int) -> float:
-    """Bytes one device receives for these collectives (`qt.received_bytes`)."""
-    return sum(qt.received_bytes(c, devices) for c in found)
+def received(found: list[qt.hlo.Collective], devices: int) -> float:
+    """Bytes one device receives for these collectives (`qt.hlo.received_bytes`)."""
+    return sum(qt.hlo.received_bytes(c, devices) for c in found)
 
 
 def compression_ratio(name: str, sizes: tuple[int, ...]) -> float:
@@ -299,7 +299,7 @@ def sweep_received(make_tx, sizes: tuple[int, ...], devices: int) -> float:
         return updates
 
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P()))
-    return received(qt.collectives(step.lower(grads).compile()), devices)
+    return received(qt.hlo.collectives(step.lower(grads).compile()), devices)
 
 
 def sweep(names, sizes) -> list[str]:
@@ -461,15 +461,15 @@ def run(quick: bool, out: pathlib.Path, progress: bool) -> str:
         "",
         "Bytes per step are the operands of the collectives of one compiled training "
         "step (what one device puts in). Bytes received per device follow "
-        "`quax_tangents.received_bytes`: an all-gather or all-to-all receives "
+        "`quax_tangents.hlo.received_bytes`: an all-gather or all-to-all receives "
         "`(n-1)/n` of its result, a reduce-scatter `(n-1)` times its result, a ring "
         "all-reduce `2(n-1)/n` of its operand. Wall time is the training loop "
         "after compilation, each method at its own time; host devices share two "
         "cores and memory, so communication is nearly free here and the "
         "compressors' extra compute shows as extra time (the step-time target below "
         "is measured side by side instead). Accuracy is on the test set after the "
-        "last step, seed 0. The `-two-phase` rows use `qto.compress(..., "
-        "two_phase=True)`: an `all_to_all` of compressed chunks, then an all-gather "
+        "last step, seed 0. The `-two-phase` rows use `qto.compress_updates(..., "
+        "method=qt.TwoPhase())`: an `all_to_all` of compressed chunks, then an all-gather "
         "of the compressed chunks of the sum (with error feedback for sign, on both "
         "sides); the others use the example's methods (gather-based for top-k, int8 "
         "and sign).",

@@ -507,8 +507,8 @@ def estimate(
         # conditional count the same either way.
         received, received_keep = (
             sum(
-                qt.received_bytes(c, devices)
-                for c in qt.collectives(compiled, branch=branch)
+                qt.hlo.received_bytes(c, devices)
+                for c in qt.hlo.collectives(compiled, branch=branch)
             )
             for branch in (1, 0)
         )
@@ -1026,7 +1026,7 @@ def report(
             f"devices ({MICROBATCH} sequences per device), `jax.jit` with those "
             "shardings (XLA's SPMD partitioner). Bytes per device from "
             "`memory_analysis()`; bytes received per device per step from the "
-            "compiled HLO, each collective's `quax_tangents.received_bytes` times the "
+            "compiled HLO, each collective's `quax_tangents.hlo.received_bytes` times the "
             "trip counts of the loops around it.",
             "",
             *fsdp_table(results),
@@ -1059,7 +1059,7 @@ def report(
             "all-reduces each layer's factors whole before keeping the device's "
             "share (neither arm's compiled step has a reduce-scatter). Received "
             "bytes are read from the compiled HLO with the refresh branch counted "
-            "as not taken (`qt.collectives(..., branch=0)`, a step that keeps the "
+            "as not taken (`qt.hlo.collectives(..., branch=0)`, a step that keeps the "
             "projectors, 199 steps in 200 here) and as taken (`branch=1`: the "
             "refresh makes two passes over the microbatches in place of the "
             "step's one); Adam's step has no such branch. "

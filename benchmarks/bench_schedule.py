@@ -11,9 +11,9 @@ whose results go to `benchmarks/results/quick/`, which git ignores). It writes
 the first 2, 4 and 8 of 8 host CPU devices, the sum of one compressed matrix by the
 dense ring all-reduce (`lax.psum` of the dense matrix), `GatherSum`, `TwoPhase` and
 the default (`Cheapest`), and reads the bytes each device receives from the compiled
-HLO (`quax_tangents.received_bytes`). Nothing is run. It checks, and exits non-zero
+HLO (`quax_tangents.hlo.received_bytes`). Nothing is run. It checks, and exits non-zero
 otherwise, that the default receives the fewest bytes of the three, never more than
-the dense all-reduce, and exactly what `quax_tangents.schedule_bytes` predicts from
+the dense all-reduce, and exactly what `quax_tangents.hlo.schedule_bytes` predicts from
 shapes.
 """
 
@@ -66,8 +66,10 @@ def received(body, devices: int, shape: tuple[int, int]) -> tuple[float, list[st
     xs = jax.ShapeDtypeStruct(
         (devices, *shape), jnp.float32, sharding=NamedSharding(mesh, P(AXIS))
     )
-    found = qt.collectives(step, xs)
-    return sum(qt.received_bytes(c, devices) for c in found), [c.kind for c in found]
+    found = qt.hlo.collectives(step, xs)
+    return sum(qt.hlo.received_bytes(c, devices) for c in found), [
+        c.kind for c in found
+    ]
 
 
 def measure(shape: tuple[int, int]) -> list[dict]:
@@ -88,7 +90,7 @@ def measure(shape: tuple[int, int]) -> list[dict]:
                 if method_name == "two_phase" and "all-to-all" not in kinds:
                     row[method_name] = None  # no chunks: TwoPhase gathers
             row["choice"] = cheapest_schedule(value, n)
-            row["predicted"] = qt.schedule_bytes(value, n)[row["choice"]]
+            row["predicted"] = qt.hlo.schedule_bytes(value, n)[row["choice"]]
             rows.append(row)
     return rows
 
@@ -116,7 +118,7 @@ def report(rows: list[dict], shape: tuple[int, int]) -> tuple[str, bool]:
         "`2 (n - 1) / n` of it). `-`: the type has no chunks, so `TwoPhase` "
         "gathers. `default` is `qt.all_reduce(x, axis)` without a method, which "
         "chooses the schedule shown; `ok` means it received the fewest bytes of the "
-        "three, no more than dense, and exactly what `qt.schedule_bytes` predicts.",
+        "three, no more than dense, and exactly what `qt.hlo.schedule_bytes` predicts.",
         "",
         "| compressor | devices | dense ring | gather | two-phase | default "
         "| chosen | ok |",

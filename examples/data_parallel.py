@@ -154,20 +154,20 @@ def methods() -> dict[str, Callable[[], optax.GradientTransformation]]:
         # The all-gather of compressed values, by name: the default schedule
         # ("auto") would choose the two-phase one from 3 devices on, which the
         # collective benchmark compares separately.
-        "top-k-1%-ef": lambda: qto.compress(
+        "top-k-1%-ef": lambda: qto.compress_updates(
             lambda g: qt.top_k(g, 0.01),
             error_feedback="ef",
             axis_name=AXIS,
-            schedule="gather",
+            method=qt.GatherSum(),
         ),
-        "int8": lambda: qto.compress(
+        "int8": lambda: qto.compress_updates(
             ft.partial(qt.quantize, bits=8),
             error_feedback=None,
             axis_name=AXIS,
-            schedule="gather",
+            method=qt.GatherSum(),
         ),
-        "sign-ef": lambda: qto.compress(
-            qt.sign_norm, error_feedback="ef", axis_name=AXIS, schedule="gather"
+        "sign-ef": lambda: qto.compress_updates(
+            qt.sign_norm, error_feedback="ef", axis_name=AXIS, method=qt.GatherSum()
         ),
     }
 
@@ -180,7 +180,7 @@ def methods() -> dict[str, Callable[[], optax.GradientTransformation]]:
 class Result:
     method: str
     accuracy: float
-    collectives: list[qt.Collective]
+    collectives: list[qt.hlo.Collective]
     seconds: float
     losses: np.ndarray
     params: list[dict] | None = None
@@ -296,7 +296,7 @@ def train(
     run_chunk = run_chunk.lower(params, state, xs, ys).compile()
     # The bytes of one step: the scan's body is compiled once, as a loop, so each of
     # its collectives is listed once.
-    found = qt.collectives(run_chunk)
+    found = qt.hlo.collectives(run_chunk)
     losses = []
     start = time.perf_counter()
     bar = tqdm(

@@ -96,10 +96,10 @@ def methods(flags: list[dict]) -> dict[str, Callable[[], optax.GradientTransform
     common = {"axis_name": AXIS, "sharded": flags}
     return {
         # No leaf compressed: sharded leaves are reduced by `lax.psum_scatter`.
-        "dense": lambda: qto.compress(int8, filter=lambda _: False, **common),
-        "int8-ef": lambda: qto.compress(int8, **common),
-        "sign-ef": lambda: qto.compress(qt.sign_norm, **common),
-        "sign-ef-int8-error": lambda: qto.compress(
+        "dense": lambda: qto.compress_updates(int8, filter=False, **common),
+        "int8-ef": lambda: qto.compress_updates(int8, **common),
+        "sign-ef": lambda: qto.compress_updates(qt.sign_norm, **common),
+        "sign-ef-int8-error": lambda: qto.compress_updates(
             qt.sign_norm, error_dtype="int8", **common
         ),
     }
@@ -122,7 +122,7 @@ class Config:
 class Result:
     method: str
     accuracies: list[float]
-    collectives: list[qt.Collective]
+    collectives: list[qt.hlo.Collective]
     state_bytes: int
     error_bytes: int
     seconds: float
@@ -132,7 +132,7 @@ class Result:
         """Bytes one device receives per step, per collective kind."""
         out: dict[str, float] = collections.defaultdict(float)
         for c in self.collectives:
-            out[c.kind] += qt.received_bytes(c, DEVICES)
+            out[c.kind] += qt.hlo.received_bytes(c, DEVICES)
         return dict(out)
 
 
@@ -219,7 +219,7 @@ def train(name, make_tx, data, config, mesh, seed) -> tuple[float, dict]:
     whole = jax.device_get(params)
     predicted = np.asarray(jax.jit(logits)(whole, x_test)).argmax(-1)
     facts = {
-        "collectives": qt.collectives(run_chunk),
+        "collectives": qt.hlo.collectives(run_chunk),
         "state_bytes": _per_device_bytes(state),
         "error_bytes": _per_device_bytes(state[0].error),
         "seconds": seconds,
@@ -341,8 +341,8 @@ def report(results, config, seeds, command, elapsed) -> list[str]:
         "step, each device takes the gradient of "
         "the whole parameters on its slice of the batch, and the gradients are "
         "reduced into the shards. Bytes are what one device receives per step, per "
-        "collective kind, read from the compiled step (`quax_tangents.collectives` "
-        "and `quax_tangents.received_bytes`): an all-gather or all-to-all receives "
+        "collective kind, read from the compiled step (`quax_tangents.hlo.collectives` "
+        "and `quax_tangents.hlo.received_bytes`): an all-gather or all-to-all receives "
         "`(n-1)/n` of its result, a reduce-scatter `(n-1)` times its result, an "
         "all-reduce `2(n-1)/n` of its operand. The all-reduce is the unsharded last "
         "bias. Optimiser state is the bytes one device stores (compress state and "

@@ -8,8 +8,8 @@ Three loops fit the same student network to a teacher:
    as a rank-4 `LowRank` inside the Tangent, `-learning_rate * grads` keeps it
    low-rank, and `move` materialises it only when it is added to the weight;
 3. any optax optimizer (here Adam), through `quax_tangents.differentiable_part` (the
-   "params" optax sees, a `MLP.Tangent`) and `quax_tangents.apply_tangent_updates`
-   (`optax.apply_updates` for a model).
+   "params" optax sees, a `MLP.Tangent`) and `quax_tangents.optax.apply_updates`
+   (which takes a model and its updates).
 
 The model also carries a step counter, which is data: it stays dynamic under `jit`,
 so the jitted step compiles once.
@@ -30,6 +30,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 import quax_tangents as qt
+import quax_tangents.optax as qto
 from quax_tangents import Differentiable, differentiable
 
 
@@ -107,7 +108,7 @@ def optax_step(optimizer: optax.GradientTransformation) -> Callable:
         value, grads = qt.value_and_grad(loss)(model, x, y)
         params = qt.differentiable_part(model)
         updates, state = optimizer.update(grads, state, params)
-        return count_step(qt.apply_tangent_updates(model, updates)), state, value
+        return count_step(qto.apply_updates(model, updates)), state, value
 
     return step
 

@@ -1,13 +1,15 @@
 """Compressed tangents and cotangents for JAX.
 
 The optax transforms live in the submodule `quax_tangents.optax`, imported on first
-use (it needs the `optax` extra).
+use (it needs the `optax` extra); diagnostics read from compiled programs live in
+`quax_tangents.hlo`.
 """
 
 import importlib as _importlib
 import importlib.metadata as _metadata
 from typing import Any as _Any
 
+from . import hlo as hlo
 from ._autodiff import _control as _control, _shard_map as _shard_map
 from ._autodiff._ad import (
     compress_cotangent as compress_cotangent,
@@ -31,6 +33,7 @@ from ._core._checkpoint import (
     tree_deserialise_leaves as tree_deserialise_leaves,
     tree_serialise_leaves as tree_serialise_leaves,
 )
+from ._core._deprecation import Alias as _Alias, resolve_alias as _resolve_alias
 from ._core._devices import device_varying as device_varying
 from ._core._fallback import (
     DensificationError as DensificationError,
@@ -46,7 +49,6 @@ from ._differentiable import (
     Differentiable as Differentiable,
     NoDerivative as NoDerivative,
     Static as Static,
-    apply_tangent_updates as apply_tangent_updates,
     differentiable as differentiable,
     differentiable_part as differentiable_part,
     inner as inner,
@@ -60,19 +62,11 @@ from ._distributed._collective import (
     PowerSum as PowerSum,
     all_reduce as all_reduce,
 )
-from ._distributed._hlo import (
-    Collective as Collective,
-    collectives as collectives,
-    received_bytes as received_bytes,
-)
 from ._distributed._scatter import (
     TwoPhase as TwoPhase,
     reduce_scatter as reduce_scatter,
 )
-from ._distributed._schedule import (
-    Cheapest as Cheapest,
-    schedule_bytes as schedule_bytes,
-)
+from ._distributed._schedule import Cheapest as Cheapest
 from ._marks._cotangents import (
     Projector as Projector,
     factored_cotangent as factored_cotangent,
@@ -92,11 +86,8 @@ __version__ = _metadata.version("quax-tangents")
 
 __all__ = [
     "all_reduce",
-    "apply_tangent_updates",
     "Cheapest",
     "ChunkCompressor",
-    "Collective",
-    "collectives",
     "compress",
     "compress_cotangent",
     "CompressedArray",
@@ -133,10 +124,8 @@ __all__ = [
     "Quantized",
     "rank_budget",
     "rank_budget_counts",
-    "received_bytes",
     "reduce_scatter",
     "reset_fallback_counts",
-    "schedule_bytes",
     "sign_norm",
     "SignNorm",
     "Sparse",
@@ -156,7 +145,26 @@ __all__ = [
 _LAZY_SUBMODULES = {"optax": "optax"}
 
 
+def _from(module: str, name: str) -> _Any:
+    return lambda: getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+
+
+# Old names, kept for one release: each use warns and names the new one.
+_DEPRECATED = {
+    name: _Alias(f"qt.{name}", f"qt.hlo.{name}", _from("hlo", name))
+    for name in ("Collective", "collectives", "received_bytes", "schedule_bytes")
+} | {
+    "apply_tangent_updates": _Alias(
+        "qt.apply_tangent_updates",
+        "quax_tangents.optax.apply_updates",
+        _from("_differentiable", "move"),
+    )
+}
+
+
 def __getattr__(name: str) -> _Any:
+    if name in _DEPRECATED:
+        return _resolve_alias(_DEPRECATED[name])
     if name not in _LAZY_SUBMODULES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:

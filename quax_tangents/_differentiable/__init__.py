@@ -25,9 +25,9 @@ from ._fields import (
     Differentiable as Differentiable,
     NoDerivative as NoDerivative,
     Static as Static,
+    is_differentiable_instance as is_differentiable_instance,
 )
 from ._ops import (
-    apply_tangent_updates as apply_tangent_updates,
     differentiable_part as differentiable_part,
     inner as inner,
     move as move,

@@ -160,8 +160,8 @@ def differentiable_part(model: Any) -> Any:
     """The values of a model's differentiable fields, as a `type(model).Tangent`.
 
     This is the "params" pytree for an optax optimizer driving a `@differentiable`
-    model (`optimizer.init(differentiable_part(model))`); see
-    `apply_tangent_updates`.
+    model (`optimizer.init(differentiable_part(model))`); apply its updates with
+    `quax_tangents.optax.apply_updates(model, updates)`.
 
     **Arguments:**
 
@@ -191,36 +191,6 @@ def differentiable_part(model: Any) -> Any:
         spec.tangent,
         {name: part(getattr(model, name)) for name in spec.names(DIFFERENTIABLE)},
     )
-
-
-def apply_tangent_updates(model: Any, updates: Any) -> Any:
-    """`optax.apply_updates` for a `@differentiable` model.
-
-    With `params = differentiable_part(model)`, any optax optimizer drives the model:
-
-    ```python
-    state = optimizer.init(qt.differentiable_part(model))
-    grads = qt.grad(loss)(model)                      # a Model.Tangent
-    updates, state = optimizer.update(grads, state, qt.differentiable_part(model))
-    model = qt.apply_tangent_updates(model, updates)
-    ```
-
-    optax maps over the Tangent's leaves, so its updates are a `Model.Tangent` too.
-    Materialise compressed gradients before `optimizer.update`
-    (`quax_tangents.materialise(grads)`): optax would otherwise map over a
-    compressed value's fields (scaling both factors of a `LowRank`, say), which is
-    wrong for every transform, `sgd` included.
-
-    **Arguments:**
-
-    - `model`: an instance of a `@differentiable` class.
-    - `updates`: a `type(model).Tangent`; `None` entries leave their fields alone.
-
-    **Returns:**
-
-    `move(model, updates)`: each field `p` becomes `p + u` cast to `p`'s dtype.
-    """
-    return move(model, updates)
 
 
 # ---------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class Collective:
         outside loops. `None` when a loop around it has no trip count that XLA
         knows (a `while_loop` with a data-dependent condition, or a program read
         before XLA's passes, which is when XLA works trip counts out):
-        [`quax_tangents.received_bytes`][] then refuses to give a per-step figure
+        [`quax_tangents.hlo.received_bytes`][] then refuses to give a per-step figure
         rather than guess one. A branch of a `cond` counts as running every time its
         `cond` does (an upper bound).
     """
@@ -124,7 +124,7 @@ def collectives_in_hlo(
     in order, with its operands' shapes looked up from their definitions.
 
     An instruction inside a loop body is listed once, with the number of times it
-    runs per call of the module as its `count` (see [`quax_tangents.Collective`][]);
+    runs per call of the module as its `count` (see [`quax_tangents.hlo.Collective`][]);
     a loop whose trip count XLA does not know counts as `unknown_trips` trips, or
     makes the count `None`. Every branch of a conditional counts as run, or with
     `branch` only that one (its index: 0 for `lax.cond`'s false branch, 1 for its
@@ -282,7 +282,7 @@ def collectives(
 
     **Returns:**
 
-    A list of [`quax_tangents.Collective`][], one per collective instruction, in the
+    A list of [`quax_tangents.hlo.Collective`][], one per collective instruction, in the
     order of the HLO text.
     """
     stages = (jax.stages.Compiled, jax.stages.Lowered)
@@ -338,7 +338,7 @@ def received_bytes(collective: Collective, devices: int, *, per: str = "call") -
 
     **Arguments:**
 
-    - `collective`: one entry of [`quax_tangents.collectives`][].
+    - `collective`: one entry of [`quax_tangents.hlo.collectives`][].
     - `devices`: the number of devices `n` that take part in it.
     - `per`: `"call"` (the default): per call of the program, `count` times the
         bytes of one run. `"run"`: one run of the instruction, however many times a
@@ -367,7 +367,7 @@ def received_bytes(collective: Collective, devices: int, *, per: str = "call") -
             "`per='run'` for the bytes of one run and multiply by the trip count, "
             "read a compiled program (`jax.jit(f).lower(...).compile()`), or, for a "
             "`lax.while_loop` on a traced condition, give "
-            "`quax_tangents.collectives` `unknown_trips=` (an upper bound on its "
+            "`quax_tangents.hlo.collectives` `unknown_trips=` (an upper bound on its "
             "trips)."
         )
     factors = {

@@ -184,8 +184,8 @@ class TwoPhase(eqx.Module):
     The result is a dense array of the value's dtype. A type without a chunk
     compressor (`LowRank`) and batched values are summed by their `all_reduce`
     (`GatherSum`). For error feedback on the second compression, use
-    `quax_tangents.optax.compress(..., two_phase=True)`, which keeps the server-side
-    error as state.
+    `quax_tangents.optax.compress_updates(..., method=TwoPhase())`, which keeps the
+    server-side error as state.
     """
 
     def reduce(self, x: CompressedArray, axis_name: AxisName, mean: bool) -> Any:
@@ -280,7 +280,7 @@ def reduce_scatter(
     sums in float32. Per device that receives `(n - 1) / n` of one compressed gradient,
     where `lax.psum_scatter` receives `(n - 1) / n` of the dense one. The result is the
     exact sum of the compressed chunks; add error feedback around it (as
-    `quax_tangents.optax.compress(..., sharded=True)` does) for a biased compressor.
+    `quax_tangents.optax.compress_updates(..., sharded=True)` does) for a biased compressor.
 
     **Arguments:**
 

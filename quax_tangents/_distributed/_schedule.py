@@ -128,7 +128,7 @@ class Cheapest(eqx.Module):
 
     For each compressed value, from its shapes and the number of devices `n` (known
     when the program is traced), the bytes one device would receive are compared
-    (`quax_tangents.schedule_bytes`):
+    (`quax_tangents.hlo.schedule_bytes`):
 
     - `GatherSum` (`(n - 1)` compressed values): exact, and `LowRank` and `Sparse`
         sums stay compressed. Chosen on ties, so on 2 devices and for `LowRank`

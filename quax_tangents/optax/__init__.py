@@ -30,6 +30,7 @@ def step(params, state, batch):  # runs on each device
 """
 
 import importlib.util
+from typing import Any as _Any
 
 
 if importlib.util.find_spec("optax") is None:
@@ -39,9 +40,13 @@ if importlib.util.find_spec("optax") is None:
     )
 
 # ruff: noqa: E402
+from .._core._deprecation import Alias as _Alias, resolve_alias as _resolve_alias
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
-from ._compress import CompressState as CompressState, compress as compress
+from ._compress import (
+    CompressState as CompressState,
+    compress_updates as compress_updates,
+)
 from ._galore import GaLore as GaLore, galore as galore
 from ._layerwise import layerwise as layerwise
 from ._mark import mark as mark
@@ -69,7 +74,7 @@ __all__ = [
     "QuantizedState",
     "accumulate_gradients",
     "apply_updates",
-    "compress",
+    "compress_updates",
     "galore",
     "layerwise",
     "lift",
@@ -81,3 +86,17 @@ __all__ = [
     "projectors",
     "quantized_state",
 ]
+
+
+# Old names, kept for one release: each use warns and names the new one.
+_DEPRECATED = {
+    "compress": _Alias(
+        "qto.compress", "qto.compress_updates", lambda: compress_updates
+    ),
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _DEPRECATED:
+        return _resolve_alias(_DEPRECATED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

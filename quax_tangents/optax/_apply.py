@@ -13,6 +13,7 @@ from jaxtyping import Array, PyTree
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
 from .._core._sharding import factors_like, matmul
+from .._differentiable import is_differentiable_instance, move
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
 
@@ -124,7 +125,8 @@ def _is_matrix_view(shape: tuple[int, ...], view: tuple[int, ...]) -> bool:
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
-    """`optax.apply_updates` for updates that may be compressed.
+    """`optax.apply_updates` for updates that may be compressed, and for
+    `@differentiable` models: the one way to apply an optimiser's updates.
 
     A `LowRank` update is added as `param + left @ right.T`, a matrix product in
     float32 (reshaped to the parameter's shape when it is a matrix view of it, as
@@ -137,16 +139,25 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     parameter's dtype. Other compressed types are materialised, counted as a
     densification.
 
+    A `@differentiable` model is moved along its updates, a `type(model).Tangent`
+    (what optax returns for `qt.differentiable_part(model)`): this is
+    [`quax_tangents.move`][], the tangent-space step of the `@differentiable`
+    protocol, which also runs a user-declared Tangent's own `move`.
+
     **Arguments:**
 
-    - `params`: the parameters, a pytree of arrays (leaves may be `None`).
+    - `params`: the parameters, a pytree of arrays (leaves may be `None`), or a
+        `@differentiable` model.
     - `updates`: the updates, with the structure of `params`; each leaf an array, a
-        compressed value of the parameter's shape, or `None`.
+        compressed value of the parameter's shape, or `None`. For a model, a
+        `type(params).Tangent`.
 
     **Returns:**
 
     The updated parameters, with the structure of `params`.
     """
+    if is_differentiable_instance(params):
+        return move(params, updates)
     flat_params, treedef = jtu.tree_flatten(params, is_leaf=lambda x: x is None)
     flat_updates = treedef.flatten_up_to(updates)
     new = [_apply_leaf(p, u) for p, u in zip(flat_params, flat_updates)]

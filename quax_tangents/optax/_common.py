@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
+from .._core._deprecation import warn_deprecated
 from .._core._devices import axis_is_bound, device_varying
 from .._distributed._collective import all_reduce
 
@@ -42,29 +43,41 @@ def check_rate(min_compression_rate: Any) -> float:
 def filter_flags(filter: Filter, tree: PyTree) -> list[bool]:
     """One Python bool per array leaf of `tree`: whether `filter` selects it.
 
-    `filter` is None (every leaf), a callable from a leaf to a bool, or a pytree of
-    bools that is `tree`'s structure or a prefix of it.
+    `filter` takes what `project=` and `split=` take, as `optax.masked`'s mask does:
+    None (every leaf), a pytree of bools with `tree`'s structure or a prefix of it, or
+    a callable that maps the whole `tree` to one. A callable written per leaf (the
+    older form, `lambda leaf: leaf.ndim == 2`) still works for one release, with a
+    `DeprecationWarning`: it is recognised by failing on the whole tree, or by
+    returning one bool for a tree of several leaves.
     """
     leaves = jtu.tree_leaves(tree)
     if filter is None:
         return [True] * len(leaves)
-    if callable(filter):
-        return [bool(filter(leaf)) for leaf in leaves]
-    try:
-        expanded = jtu.tree_map(
-            lambda flag, subtree: jtu.tree_map(lambda _: flag, subtree),
-            filter,
-            tree,
+    if (
+        callable(filter)
+        and not isinstance(filter, eqx.Module)
+        and _per_leaf(filter, tree)
+    ):
+        warn_deprecated(
+            "filter=lambda leaf: ...",
+            "filter=lambda updates: jax.tree.map(lambda leaf: ..., updates)",
+            stacklevel=5,
         )
-    except ValueError as error:
-        raise ValueError(
-            "`filter` must be a callable or a pytree of bools with the structure of "
-            "the updates (or a prefix of it)."
-        ) from error
-    flags = jtu.tree_leaves(expanded)
-    if not all(isinstance(flag, bool) for flag in flags):
-        raise TypeError("A pytree `filter` must hold Python bools.")
+        return [bool(filter(leaf)) for leaf in leaves]
+    flags = mask_flags(filter, tree, "filter")
+    assert flags is not None
     return flags
+
+
+def _per_leaf(filter: Callable, tree: PyTree) -> bool:
+    """Whether `filter` was written for one leaf rather than the whole tree."""
+    if len(jtu.tree_leaves(tree)) <= 1:
+        return False  # the two readings agree
+    try:
+        out = filter(tree)
+    except (AttributeError, TypeError, IndexError, KeyError):
+        return True
+    return isinstance(out, (bool, np.bool_))
 
 
 def mask_flags(mask: Filter, tree: PyTree, name: str) -> list[bool] | None:

@@ -12,16 +12,23 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._core._base import ChunkCompressor, CompressedArray
+from .._core._deprecation import warn_deprecated
 from .._core._devices import axis_is_bound, axis_size, device_varying
 from .._core._validate import values_unchecked
-from .._distributed._collective import GatherSum, all_reduce
+from .._distributed._collective import GatherSum, PowerSum, all_reduce
 from .._distributed._scatter import (
+    TwoPhase,
     chunk_elems,
     compressed_reduce_scatter,
     reduce_scatter,
     two_phase_sum,
 )
-from .._distributed._schedule import Schedule, cheapest_schedule, dense_sum
+from .._distributed._schedule import (
+    Cheapest,
+    Schedule,
+    cheapest_schedule,
+    dense_sum,
+)
 from .._types.quantized import Quantized
 from ._common import (
     AxisName,
@@ -50,8 +57,8 @@ ScheduleName = Literal["auto", "gather", "two_phase"]
 
 
 class CompressState(NamedTuple):
-    """State of [`quax_tangents.optax.compress`][]. Each field holds one entry per
-    compressed leaf and `None` for leaves that pass through uncompressed.
+    """State of [`quax_tangents.optax.compress_updates`][]. Each field holds one
+    entry per compressed leaf and `None` for leaves that pass through uncompressed.
 
     - `error`: with `error_feedback="ef"`, what compression dropped so far, added to
         the next update before compressing: an array of the update's shape and dtype,
@@ -60,8 +67,8 @@ class CompressState(NamedTuple):
         Per device.
     - `aggregate`: with `"ef21"` and an `axis_name`, the mean of the estimates over
         devices, which every device keeps identically.
-    - `server_error`: with `two_phase=True` and `"ef"`, what the second compression
-        dropped from this device's chunk of the mean: float32 `(chunk,)`, about
+    - `server_error`: with `method=qt.TwoPhase()` (or `qt.Cheapest()`) and `"ef"`,
+        what the second compression dropped from this device's chunk of the mean: float32 `(chunk,)`, about
         `1/n` of the leaf. Per device.
     """
 
@@ -71,17 +78,18 @@ class CompressState(NamedTuple):
     server_error: PyTree = None
 
 
-def compress(
+def compress_updates(
     compressor: Callable[[Array], CompressedArray],
     *,
     error_feedback: ErrorFeedback = "ef",
     min_compression_rate: float = 2.0,
     filter: Filter = None,
     axis_name: AxisName = None,
-    schedule: ScheduleName | None = None,
-    two_phase: bool | None = None,
+    method: Cheapest | GatherSum | TwoPhase | None = None,
     sharded: bool | PyTree[bool] = False,
     error_dtype: ErrorDtype = None,
+    schedule: Any = None,
+    two_phase: Any = None,
 ) -> optax.GradientTransformation:
     """Compresses each update leaf with `compressor`, optionally with error feedback,
     and emits the dense value of the compressed update.
@@ -104,20 +112,19 @@ def compress(
 
     With `axis_name`, call `update` inside `jax.shard_map`: each device compresses its
     own gradient and only compressed fields cross the wire. How the devices' values
-    are combined (`schedule`):
+    are combined (`method`, the methods of [`quax_tangents.all_reduce`][]):
 
-    - `"gather"` (or `two_phase=False`): [`quax_tangents.all_reduce`][] with
-        `GatherSum` (an all-gather of the compressed fields, exact): each device
+    - `qt.GatherSum()`: an all-gather of the compressed fields, exact: each device
         receives `n - 1` compressed leaves.
-    - `"two_phase"` (or `two_phase=True`): the two-phase all-reduce of
+    - `qt.TwoPhase()`: the two-phase all-reduce of
         [`quax_tangents.TwoPhase`][] for `Quantized`, `SignNorm` and `Sparse`
         compressors (others use `GatherSum`): each device receives about
         `2 (n - 1) / n` compressed leaves. With `"ef"`, the error of the first
         compression is carried per device (`error`, the leaf's size) and that of the
         second per chunk (`server_error`, `1/n` of the leaf).
-    - `"auto"` (the default): per leaf, whichever of the two and the dense ring
+    - `qt.Cheapest()` (the default): per leaf, whichever of the two and the dense ring
         all-reduce of the compressed leaf's dense value receives the fewest bytes
-        per device at the axis size in use (`quax_tangents.schedule_bytes`; ties
+        per device at the axis size in use (`quax_tangents.hlo.schedule_bytes`; ties
         go to the gather). The dense all-reduce sums the same compressed values
         exactly, so it emits what the gather would. With `"ef"` and a compressor
         that has chunks, the state holds a `server_error` for the two-phase
@@ -150,16 +157,18 @@ def compress(
     - `error_feedback`: `"ef"`, `"ef21"` or `None`.
     - `min_compression_rate`: the least `dense / compressed` bytes ratio worth
         compressing for.
-    - `filter`: which leaves may be compressed: `None` (all), a callable from a leaf to
-        a bool, or a pytree of bools (the updates' structure or a prefix).
+    - `filter`: which leaves may be compressed, in any form `optax.masked` takes
+        (as `projected`'s `project=`): `None` (all), a pytree of bools with the
+        updates' structure or a prefix of it, or a callable that maps the updates to
+        one, e.g. `lambda u: jax.tree.map(lambda g: g.ndim == 2, u)`.
     - `axis_name`: the mesh axis to average over, or `None` on one device.
-    - `schedule`: `"auto"`, `"gather"` or `"two_phase"`; `None` means `"auto"`,
-        unless `two_phase` says otherwise.
-    - `two_phase`: `True` for `schedule="two_phase"`, `False` for `"gather"`
-        (kept for compatibility).
+    - `method`: `qt.Cheapest()`, `qt.GatherSum()` or `qt.TwoPhase()`; `None` means
+        `qt.Cheapest()`.
     - `sharded`: `True`, `False`, or a pytree of bools: the leaves whose parameters
         are sharded along their first dim.
     - `error_dtype`: `None` (the update's dtype) or `"int8"`.
+    - `schedule`, `two_phase`: deprecated spellings of `method` (`"auto"`,
+        `"gather"`, `"two_phase"`; `True`, `False`); each use warns.
 
     **Returns:**
 
@@ -174,7 +183,7 @@ def compress(
         raise TypeError(f"`compressor` must be callable, got {compressor!r}.")
     rate = check_rate(min_compression_rate)
     error_dtype = check_error_dtype(error_dtype)
-    schedule = _resolve_schedule(schedule, two_phase)
+    schedule = _resolve_schedule(method, schedule, two_phase)
     two_phase = schedule == "two_phase"
     _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype)
     # The schedules `"auto"` may choose from.
@@ -314,27 +323,77 @@ def compress(
     return optax.GradientTransformation(init, update)
 
 
-def _resolve_schedule(schedule: Any, two_phase: Any) -> ScheduleName:
+_SCHEDULE_OF_METHOD: dict[type, ScheduleName] = {
+    Cheapest: "auto",
+    GatherSum: "gather",
+    TwoPhase: "two_phase",
+}
+_METHODS = "`qt.Cheapest()`, `qt.GatherSum()` or `qt.TwoPhase()`"
+
+
+def _method_schedule(method: Any) -> ScheduleName:
+    if method is None:
+        return "auto"
+    if isinstance(method, type) and method in _SCHEDULE_OF_METHOD:
+        raise TypeError(
+            f"`method` must be an instance: `{method.__name__}()`, not the class."
+        )
+    if type(method) not in _SCHEDULE_OF_METHOD:
+        hint = (
+            " PowerSGD is its own transformation: `qto.powersgd(rank, axis_name=...)`."
+            if isinstance(method, PowerSum)
+            else ""
+        )
+        raise TypeError(f"`method` must be {_METHODS}, got {method!r}.{hint}")
+    return _SCHEDULE_OF_METHOD[type(method)]
+
+
+def _deprecated_schedule(schedule: Any, two_phase: Any) -> ScheduleName | None:
+    """The schedule that the deprecated `schedule=` / `two_phase=` ask for."""
     if two_phase is not None and not isinstance(two_phase, bool):
         raise TypeError(f"`two_phase` must be a bool, got {two_phase!r}.")
     if schedule not in (None, "auto", "gather", "two_phase"):
         raise ValueError(
-            f"`schedule` must be 'auto', 'gather' or 'two_phase', got {schedule!r}."
+            f"`schedule` must be 'auto', 'gather' or 'two_phase', got {schedule!r}; "
+            f"it is deprecated: pass `method=` ({_METHODS})."
         )
-    if two_phase is None:
-        return "auto" if schedule is None else schedule
-    implied = "two_phase" if two_phase else "gather"
-    if schedule is not None and schedule != implied:
+    new = {"auto": "qt.Cheapest()", "gather": "qt.GatherSum()"}
+    if schedule is not None:
+        warn_deprecated(
+            f"compress_updates(schedule={schedule!r})",
+            f"compress_updates(method={new.get(schedule, 'qt.TwoPhase()')})",
+            stacklevel=4,
+        )
+    if two_phase is not None:
+        implied = "two_phase" if two_phase else "gather"
+        warn_deprecated(
+            f"compress_updates(two_phase={two_phase})",
+            f"compress_updates(method={new.get(implied, 'qt.TwoPhase()')})",
+            stacklevel=4,
+        )
+        if schedule is not None and schedule != implied:
+            raise ValueError(
+                f"`two_phase={two_phase}` asks for schedule {implied!r}, but "
+                f"`schedule={schedule!r}`; pass only `method=` ({_METHODS})."
+            )
+        return implied
+    return schedule
+
+
+def _resolve_schedule(method: Any, schedule: Any, two_phase: Any) -> ScheduleName:
+    from_method = _method_schedule(method)
+    deprecated = _deprecated_schedule(schedule, two_phase)
+    if deprecated is None:
+        return from_method
+    if method is not None and deprecated != from_method:
         raise ValueError(
-            f"`two_phase={two_phase}` asks for schedule {implied!r}, but "
-            f"`schedule={schedule!r}`; pass only `schedule`."
+            f"`method={method!r}` and the deprecated `schedule`/`two_phase` ask for "
+            "different schedules; pass only `method`."
         )
-    return implied
+    return deprecated
 
 
 def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> None:
-    if not isinstance(two_phase, bool):
-        raise TypeError(f"`two_phase` must be a bool, got {two_phase!r}.")
     if callable(sharded):
         raise TypeError(
             "`sharded` must be a bool or a pytree of bools (the updates' structure or "
@@ -342,7 +401,7 @@ def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> 
             "gradients, so a callable would see different leaves."
         )
     wants_sharding = sharded is not False
-    for name, on in (("two_phase", two_phase), ("sharded", wants_sharding)):
+    for name, on in (("method=qt.TwoPhase()", two_phase), ("sharded", wants_sharding)):
         if on and axis_name is None:
             raise ValueError(f"`{name}` needs an `axis_name` to combine devices over.")
         if on and error_feedback == "ef21":
@@ -352,7 +411,7 @@ def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> 
             )
     if two_phase and wants_sharding:
         raise ValueError(
-            "Choose one of `two_phase` (an all-reduce) and `sharded` (a "
+            "Choose one of `method=qt.TwoPhase()` (an all-reduce) and `sharded` (a "
             "reduce-scatter into sharded parameters)."
         )
     if error_dtype is not None and error_feedback != "ef":

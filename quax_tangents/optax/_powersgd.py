@@ -164,8 +164,10 @@ def powersgd(
         mean for good (a fixed shard of data per device), its error grows with the
         step count and the rounding of it stalls convergence.
     - `min_compression_rate`: the least `m n / (r (m + n))` worth compressing for.
-    - `filter`: which leaves may be compressed: `None` (all), a callable from a leaf to
-        a bool, or a pytree of bools.
+    - `filter`: which leaves may be compressed, in any form `optax.masked` takes
+        (as `projected`'s `project=`): `None` (all), a pytree of bools with the
+        updates' structure or a prefix of it, or a callable that maps the updates to
+        one, e.g. `lambda u: jax.tree.map(lambda g: g.ndim == 2, u)`.
     - `axis_name`: the mesh axis to average over inside `jax.shard_map`, or `None`.
     - `seed`: seed of the starting `Q`.
 

@@ -360,9 +360,10 @@ def _data_parallel(devices, m, n, rank, given, check_vma=True):
         dense_step = jax.jit(jax.shard_map(dense, in_specs=(P(), P("d")), **specs))
         total = step(*args)
         ratio = sum(
-            qt.received_bytes(c, devices) for c in qt.collectives(step, *args)
+            qt.hlo.received_bytes(c, devices) for c in qt.hlo.collectives(step, *args)
         ) / sum(
-            qt.received_bytes(c, devices) for c in qt.collectives(dense_step, *args[:2])
+            qt.hlo.received_bytes(c, devices)
+            for c in qt.hlo.collectives(dense_step, *args[:2])
         )
     full = np.asarray(jax.grad(lambda w: loss(w, x, None))(w), np.float64)
     return total, llama.project(full, projector), ratio

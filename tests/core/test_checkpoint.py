@@ -171,7 +171,7 @@ OPTIMISERS = {
         _dense_step,
     ),
     "compress-error-feedback": lambda: (
-        optax.chain(qto.compress(ft.partial(qt.top_k, k=8)), optax.sgd(0.1)),
+        optax.chain(qto.compress_updates(ft.partial(qt.top_k, k=8)), optax.sgd(0.1)),
         _dense_step,
     ),
     "projected": lambda: (_projected(optax.scale_by_adam()), _projected_step),

@@ -387,8 +387,8 @@ def test_error_feedback_tracks_the_gradients(name, compressor):
     drift = rng.standard_normal(shape).astype(np.float32)
     grads = drift + rng.standard_normal((steps, DEVICES, *shape)).astype(np.float32)
     params = jnp.zeros(shape)
-    tx = qto.compress(
-        compressor, error_feedback="ef", axis_name=AXIS, schedule="gather"
+    tx = qto.compress_updates(
+        compressor, error_feedback="ef", axis_name=AXIS, method=qt.GatherSum()
     )
     updates, state = _run_stream(tx, grads, params)
     applied = np.cumsum(np.asarray(updates), axis=0)
@@ -407,7 +407,9 @@ def test_ef21_estimates_converge_to_a_fixed_gradient():
     shape = (16, 12)
     grads = np.random.default_rng(8).standard_normal((DEVICES, *shape), np.float32)
     stream = np.broadcast_to(grads, (80, DEVICES, *shape)).copy()
-    tx = qto.compress(lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS)
+    tx = qto.compress_updates(
+        lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS
+    )
     updates, state = _run_stream(tx, stream, jnp.zeros(shape))
     assert relative_error(updates[-1], grads.mean(0)) < 1e-5
     assert_close(state.aggregate, grads.mean(0))
@@ -449,13 +451,13 @@ _CONVERGENCE = {
         1e-5,
     ),
     "top-k-ef21": (
-        lambda: qto.compress(
+        lambda: qto.compress_updates(
             lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS
         ),
         1e-5,
     ),
     "int8": (
-        lambda: qto.compress(
+        lambda: qto.compress_updates(
             ft.partial(qt.quantize, bits=8, block_size=32),
             error_feedback=None,
             axis_name=AXIS,
@@ -463,12 +465,12 @@ _CONVERGENCE = {
         1e-3,
     ),
     "top-k-ef": (
-        lambda: qto.compress(lambda g: qt.top_k(g, 0.1), axis_name=AXIS),
+        lambda: qto.compress_updates(lambda g: qt.top_k(g, 0.1), axis_name=AXIS),
         2e-2,
     ),
-    "sign-ef": (lambda: qto.compress(qt.sign_norm, axis_name=AXIS), 2e-2),
+    "sign-ef": (lambda: qto.compress_updates(qt.sign_norm, axis_name=AXIS), 2e-2),
     "low-rank-gather-ef": (
-        lambda: qto.compress(
+        lambda: qto.compress_updates(
             lambda g: qt.low_rank(g, 1), min_compression_rate=1.0, axis_name=AXIS
         ),
         2e-2,
@@ -519,7 +521,7 @@ def _mlp_loss(params, x):
 
 _STEP_TRANSFORMS = {
     "powersgd": lambda: qto.powersgd(2, axis_name=AXIS),
-    "top-k": lambda: qto.compress(lambda g: qt.top_k(g, 0.05), axis_name=AXIS),
+    "top-k": lambda: qto.compress_updates(lambda g: qt.top_k(g, 0.05), axis_name=AXIS),
 }
 
 
@@ -540,7 +542,7 @@ def _step_collectives(name: str, per_device_grads: bool):
 
     x = split(np.ones((DEVICES * 4, 32), np.float32))
     step = on_mesh(step, (P(), specs, P(AXIS)), (P(), specs))
-    return qt.collectives(step, params, state, x)
+    return qt.hlo.collectives(step, params, state, x)
 
 
 _WEIGHT_SHAPES = {"f32[32,24]", "f32[24,32]", "f32[24,16]", "f32[16,24]"}
@@ -588,8 +590,8 @@ def test_collectives_of_a_lowered_program_show_what_it_asks_to_send():
     left = split(np.ones((DEVICES, m, rank), jnp.bfloat16))
     right = split(np.ones((DEVICES, n, rank), jnp.bfloat16))
     lowered = on_mesh(body, P(AXIS), P()).lower(left, right)
-    program = qt.collectives(lowered)
-    compiled = qt.collectives(lowered.compile())
+    program = qt.hlo.collectives(lowered)
+    compiled = qt.hlo.collectives(lowered.compile())
     assert {s for c in program for s in c.operand_shapes} == {
         f"bf16[{m},{rank}]",
         f"bf16[{n},{rank}]",
@@ -685,13 +687,15 @@ def test_collectives_in_loops_count_once_per_iteration():
         "cp": None,
     }
     n = 8
-    assert qt.received_bytes(found["once"], n) == 2 * (n - 1) / n * 32
-    assert qt.received_bytes(found["ag"], n) == 24 * (n - 1) * 32
-    assert qt.received_bytes(found["ar"], n) == pytest.approx(74 * 2 * (n - 1) / n * 32)
-    assert qt.received_bytes(found["ar"], n, per="run") == 2 * (n - 1) / n * 32
+    assert qt.hlo.received_bytes(found["once"], n) == 2 * (n - 1) / n * 32
+    assert qt.hlo.received_bytes(found["ag"], n) == 24 * (n - 1) * 32
+    assert qt.hlo.received_bytes(found["ar"], n) == pytest.approx(
+        74 * 2 * (n - 1) / n * 32
+    )
+    assert qt.hlo.received_bytes(found["ar"], n, per="run") == 2 * (n - 1) / n * 32
     with pytest.raises(ValueError, match="unknown_trips"):
-        qt.received_bytes(found["cp"], n)
-    assert qt.received_bytes(found["cp"], n, per="run") == 32
+        qt.hlo.received_bytes(found["cp"], n)
+    assert qt.hlo.received_bytes(found["cp"], n, per="run") == 32
     # A loop whose trip count XLA does not know counts as `unknown_trips` trips.
     bounded = {
         c.name: c.count for c in collectives_in_hlo(_LOOPED_HLO, unknown_trips=1)
@@ -747,7 +751,7 @@ def test_branch_counts_one_branch_of_every_conditional(branch):
     }[branch]
     assert counts == expected
     with pytest.raises(ValueError, match="branch"):
-        qt.collectives(jax.jit(lambda x: x).lower(1.0).compile(), branch=-1)
+        qt.hlo.collectives(jax.jit(lambda x: x).lower(1.0).compile(), branch=-1)
 
 
 @needs_devices
@@ -762,19 +766,19 @@ def test_compiled_scan_counts_its_psum_per_iteration():
 
     step = on_mesh(body, P(AXIS), P(AXIS))
     xs = split(np.ones((DEVICES, width), np.float32))
-    compiled = [c for c in qt.collectives(step, xs) if c.kind == "all-reduce"]
+    compiled = [c for c in qt.hlo.collectives(step, xs) if c.kind == "all-reduce"]
     assert [(c.operand_bytes, c.count) for c in compiled] == [(4 * width, length)]
-    per_call = sum(qt.received_bytes(c, DEVICES) for c in compiled)
+    per_call = sum(qt.hlo.received_bytes(c, DEVICES) for c in compiled)
     assert per_call == pytest.approx(length * 2 * (DEVICES - 1) / DEVICES * 4 * width)
     # Read before XLA's passes, the loop's trip count is not known yet.
-    lowered = qt.collectives(step.lower(xs))
+    lowered = qt.hlo.collectives(step.lower(xs))
     assert [c.count for c in lowered if c.kind == "all-reduce"] == [None]
     with pytest.raises(ValueError, match="trip count"):
-        qt.received_bytes(lowered[0], DEVICES)
-    bounded = qt.collectives(step.lower(xs), unknown_trips=length)
+        qt.hlo.received_bytes(lowered[0], DEVICES)
+    bounded = qt.hlo.collectives(step.lower(xs), unknown_trips=length)
     assert [c.count for c in bounded if c.kind == "all-reduce"] == [length]
     with pytest.raises(ValueError, match="unknown_trips"):
-        qt.collectives(step.lower(xs), unknown_trips=-1)
+        qt.hlo.collectives(step.lower(xs), unknown_trips=-1)
 
 
 # ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "data_parallel.py"
-# PowerSGD, and int8 quantisation (`qto.compress` of `qt.quantize(bits=8)`).
+# PowerSGD, and int8 quantisation (`qto.compress_updates` of `qt.quantize(bits=8)`).
 METHODS = "powersgd-r2,int8"
 
 

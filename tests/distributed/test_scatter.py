@@ -1,6 +1,6 @@
 """The two-phase all-reduce and the compressed reduce-scatter on 8 host devices: the
 bytes each device receives (from the compiled HLO), the results against the same
-sums computed centrally, and error feedback around them in `qto.compress`.
+sums computed centrally, and error feedback around them in `qto.compress_updates`.
 
 Like `tests/distributed/test_collective.py`, the multi-device tests run in a fresh
 Python process with 8 host CPU devices when this one has fewer
@@ -60,14 +60,14 @@ def test_received_bytes_follows_each_collective_kind():
         return Collective(kind, "c", ("f32[64]",), 256)
 
     n = 8
-    assert qt.received_bytes(one("all-gather"), n) == 7 * 256
-    assert qt.received_bytes(one("all-to-all"), n) == 7 / 8 * 256
-    assert qt.received_bytes(one("reduce-scatter"), n) == 7 / 8 * 256
-    assert qt.received_bytes(one("all-reduce"), n) == 2 * 7 / 8 * 256
-    assert qt.received_bytes(one("collective-permute"), n) == 256
-    assert qt.received_bytes(one("all-reduce"), 1) == 0.0
+    assert qt.hlo.received_bytes(one("all-gather"), n) == 7 * 256
+    assert qt.hlo.received_bytes(one("all-to-all"), n) == 7 / 8 * 256
+    assert qt.hlo.received_bytes(one("reduce-scatter"), n) == 7 / 8 * 256
+    assert qt.hlo.received_bytes(one("all-reduce"), n) == 2 * 7 / 8 * 256
+    assert qt.hlo.received_bytes(one("collective-permute"), n) == 256
+    assert qt.hlo.received_bytes(one("all-reduce"), 1) == 0.0
     with pytest.raises(ValueError, match="devices"):
-        qt.received_bytes(one("all-reduce"), 0)
+        qt.hlo.received_bytes(one("all-reduce"), 0)
 
 
 def test_chunks_align_with_blocks_and_cover_the_array():
@@ -104,8 +104,10 @@ def _received(name: str, method=None) -> tuple[float, set[str]]:
         return qt.materialise(qt.all_reduce(compressor(x[0]), AXIS, method))
 
     xs = split(np.ones((DEVICES, *_SHAPE), np.float32))
-    found = qt.collectives(on_mesh(body, P(AXIS), P()), xs)
-    return sum(qt.received_bytes(c, DEVICES) for c in found), {c.kind for c in found}
+    found = qt.hlo.collectives(on_mesh(body, P(AXIS), P()), xs)
+    return sum(qt.hlo.received_bytes(c, DEVICES) for c in found), {
+        c.kind for c in found
+    }
 
 
 @needs_devices
@@ -220,7 +222,7 @@ def _reduce_scatter(compressor, xs, dimension=0):
 
     out_spec = P(*([None] * dimension), AXIS)
     step = on_mesh(body, P(AXIS), out_spec)
-    return np.asarray(step(split(xs))), qt.collectives(step, split(xs))
+    return np.asarray(step(split(xs))), qt.hlo.collectives(step, split(xs))
 
 
 @needs_devices
@@ -244,8 +246,8 @@ def test_int8_reduce_scatter_sums_the_compressed_chunks_with_fewer_bytes():
     assert_close(out, expected)
     assert {c.kind for c in found} == {"all-to-all"}
     _, dense = _reduce_scatter(None, xs)
-    received = sum(qt.received_bytes(c, DEVICES) for c in found)
-    dense_received = sum(qt.received_bytes(c, DEVICES) for c in dense)
+    received = sum(qt.hlo.received_bytes(c, DEVICES) for c in found)
+    dense_received = sum(qt.hlo.received_bytes(c, DEVICES) for c in dense)
     assert dense_received / received >= 3.5
 
 
@@ -260,7 +262,7 @@ def test_reduce_scatter_rejects_an_indivisible_dimension():
 
 
 def _two_phase_sgd(compressor, **options):
-    tx = qto.compress(compressor, axis_name=AXIS, two_phase=True, **options)
+    tx = qto.compress_updates(compressor, axis_name=AXIS, method=qt.TwoPhase(), **options)
     return optax.chain(tx, optax.sgd(0.1))
 
 
@@ -300,13 +302,15 @@ def test_error_feedback_converges_with_two_phase_and_sharded_int8_errors():
         "sharded-int8": (
             _run_sharded,
             optax.chain(
-                qto.compress(int8, axis_name=AXIS, sharded=True), optax.sgd(0.1)
+                qto.compress_updates(int8, axis_name=AXIS, sharded=True), optax.sgd(0.1)
             ),
         ),
         "sharded-sign-int8-error": (
             _run_sharded,
             optax.chain(
-                qto.compress(sign, axis_name=AXIS, sharded=True, error_dtype="int8"),
+                qto.compress_updates(
+                    sign, axis_name=AXIS, sharded=True, error_dtype="int8"
+                ),
                 optax.sgd(0.1),
             ),
         ),
@@ -345,8 +349,8 @@ def _state_bytes(tree) -> int:
 
 def test_int8_error_state_is_a_quarter_of_float32():
     params = {"w": jnp.zeros((256, 512)), "b": jnp.zeros(512)}
-    plain = qto.compress(qt.sign_norm).init(params)
-    small = qto.compress(qt.sign_norm, error_dtype="int8").init(params)
+    plain = qto.compress_updates(qt.sign_norm).init(params)
+    small = qto.compress_updates(qt.sign_norm, error_dtype="int8").init(params)
     assert isinstance(small.error["w"], qt.Quantized) and small.error["b"] is None
     assert _state_bytes(small.error) <= 0.3 * _state_bytes(plain.error)
 
@@ -355,7 +359,9 @@ def test_int8_error_feedback_converges_on_one_device():
     a, b, solution = least_squares(m=32, n=16)
     a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     tx = optax.chain(
-        qto.compress(ft.partial(qt.sign_norm, block_size=64), error_dtype="int8"),
+        qto.compress_updates(
+            ft.partial(qt.sign_norm, block_size=64), error_dtype="int8"
+        ),
         optax.sgd(0.1),
     )
     w = jax.jit(_run_replicated, static_argnums=(0, 3, 4))(
@@ -378,14 +384,15 @@ def test_int8_error_feedback_converges_on_one_device():
 )
 def test_compress_rejects_conflicting_options(options, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        qto.compress(qt.sign_norm, **options)
+        qto.compress_updates(qt.sign_norm, **options)
 
 
 def test_partition_specs_shard_the_states_that_mirror_sharded_params():
     params = {"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}
     param_specs = {"w": P(AXIS), "b": P()}
     tx = optax.chain(
-        qto.compress(qt.sign_norm, axis_name=AXIS, two_phase=True), optax.adam(1e-3)
+        qto.compress_updates(qt.sign_norm, axis_name=AXIS, method=qt.TwoPhase()),
+        optax.adam(1e-3),
     )
     specs = qto.partition_specs(jax.eval_shape(tx.init, params), AXIS, param_specs)
     compress_specs, (adam_specs, _) = specs

@@ -59,19 +59,23 @@ def test_schedule_bytes_follow_each_collective():
     x = qt.quantize(jnp.ones(_SHAPE), bits=8)
     dense = np.prod(_SHAPE) * 4
     for n in (2, 4, 8):
-        costs = qt.schedule_bytes(x, n)
+        costs = qt.hlo.schedule_bytes(x, n)
         assert costs["gather"] == (n - 1) * x.nbytes
         assert costs["dense"] == 2 * (n - 1) / n * dense
         # Chunks of whole 256-element blocks: 2 (n - 1) chunks of 1/n of the value.
         assert costs["two_phase"] == 2 * (n - 1) * x.nbytes / n
-    assert qt.schedule_bytes(x, 1) == {"gather": 0.0, "dense": 0.0, "two_phase": 0.0}
+    assert qt.hlo.schedule_bytes(x, 1) == {
+        "gather": 0.0,
+        "dense": 0.0,
+        "two_phase": 0.0,
+    }
     # No chunks for LowRank, nor for batched values.
-    assert set(qt.schedule_bytes(qt.low_rank(jnp.ones(_SHAPE), 2), 4)) == {
+    assert set(qt.hlo.schedule_bytes(qt.low_rank(jnp.ones(_SHAPE), 2), 4)) == {
         "gather",
         "dense",
     }
     with pytest.raises(ValueError, match="`devices`"):
-        qt.schedule_bytes(x, 0)
+        qt.hlo.schedule_bytes(x, 0)
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
@@ -82,7 +86,7 @@ def test_the_choice_at_each_device_count(name):
     for n in (3, 4, 8, 64):
         assert cheapest_schedule(x, n) == "two_phase"
     for n in (2, 3, 4, 8, 64):
-        costs = qt.schedule_bytes(x, n)
+        costs = qt.hlo.schedule_bytes(x, n)
         assert costs[cheapest_schedule(x, n)] == min(costs.values())
         assert costs[cheapest_schedule(x, n)] <= costs["dense"]
 
@@ -116,22 +120,23 @@ def test_a_type_without_its_own_all_reduce_is_never_gathered():
     # Its `all_reduce` materialises (counted) and runs `lax.psum`: receiving
     # `(n - 1)` compressed values is not what it would do.
     x = _Halves(jnp.ones((4, 2)))
-    assert qt.schedule_bytes(x, 2)["gather"] < qt.schedule_bytes(x, 2)["dense"]
+    assert qt.hlo.schedule_bytes(x, 2)["gather"] < qt.hlo.schedule_bytes(x, 2)["dense"]
     for n in (2, 8):
         assert cheapest_schedule(x, n) == "dense"
 
 
-def test_compress_schedule_arguments():
+def test_compress_method_arguments():
     sign = qt.sign_norm
-    for kwargs in [{}, {"schedule": "auto"}, {"two_phase": True}, {"two_phase": False}]:
-        qto.compress(sign, axis_name=AXIS, **kwargs)
-    qto.compress(sign, axis_name=AXIS, schedule="two_phase", two_phase=True)
-    with pytest.raises(ValueError, match="pass only `schedule`"):
-        qto.compress(sign, axis_name=AXIS, schedule="gather", two_phase=True)
-    with pytest.raises(ValueError, match="`schedule` must be"):
-        qto.compress(sign, axis_name=AXIS, schedule="ring")
+    for method in [None, qt.Cheapest(), qt.GatherSum(), qt.TwoPhase()]:
+        qto.compress_updates(sign, axis_name=AXIS, method=method)
+    with pytest.raises(TypeError, match=r"an instance: `TwoPhase\(\)`"):
+        qto.compress_updates(sign, axis_name=AXIS, method=qt.TwoPhase)
+    with pytest.raises(TypeError, match="`method` must be"):
+        qto.compress_updates(sign, axis_name=AXIS, method="two_phase")
+    with pytest.raises(TypeError, match="qto.powersgd"):
+        qto.compress_updates(sign, axis_name=AXIS, method=qt.PowerSum(2))
     with pytest.raises(ValueError, match="needs an `axis_name`"):
-        qto.compress(sign, schedule="two_phase")
+        qto.compress_updates(sign, method=qt.TwoPhase())
 
 
 # ---------------------------------------------------------------------------------
@@ -140,8 +145,8 @@ def test_compress_schedule_arguments():
 
 def _received(body, n) -> tuple[float, set[str]]:
     xs = split(np.ones((n, *_SHAPE), np.float32), n)
-    found = qt.collectives(on_mesh(body, P(AXIS), P(), devices=n), xs)
-    return sum(qt.received_bytes(c, n) for c in found), {c.kind for c in found}
+    found = qt.hlo.collectives(on_mesh(body, P(AXIS), P(), devices=n), xs)
+    return sum(qt.hlo.received_bytes(c, n) for c in found), {c.kind for c in found}
 
 
 def _dense_received(n):
@@ -165,14 +170,14 @@ def test_the_default_all_reduce_never_receives_more_than_dense(name, n):
     choice = cheapest_schedule(_value(name), n)
     expected = {"gather": {"all-gather"}, "two_phase": {"all-to-all", "all-gather"}}
     assert kinds == expected[choice]
-    assert received == pytest.approx(qt.schedule_bytes(_value(name), n)[choice])
+    assert received == pytest.approx(qt.hlo.schedule_bytes(_value(name), n)[choice])
 
 
 @needs_devices
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_the_default_compress_never_receives_more_than_dense(name, n):
-    tx = qto.compress(COMPRESSORS[name], axis_name=AXIS)
+    tx = qto.compress_updates(COMPRESSORS[name], axis_name=AXIS)
 
     def body(g):
         state = tx.init(g[0])
@@ -218,7 +223,7 @@ def test_auto_compress_on_two_and_eight_devices_converges():
         b = rng.standard_normal((n, 24, 8)).astype(np.float32)
         solution = np.linalg.lstsq(a.reshape(-1, 16), b.reshape(-1, 8), rcond=None)[0]
         int8 = ft.partial(qt.quantize, bits=8)
-        tx = optax.chain(qto.compress(int8, axis_name=AXIS), optax.sgd(0.05))
+        tx = optax.chain(qto.compress_updates(int8, axis_name=AXIS), optax.sgd(0.05))
 
         def run(a, b, tx=tx):
             w = jnp.zeros((16, 8))

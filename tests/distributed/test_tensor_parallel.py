@@ -198,8 +198,8 @@ def test_a_mark_moves_no_weight_sized_array():
     with jax.set_mesh(_mesh(2, 2)):
         w = _placed(0, (m, n), P(None, "model"))
         x = _placed(1, (8, m), P("data", None))
-        marked = qt.collectives(_marked_grad, w, x)
-        dense = qt.collectives(
+        marked = qt.hlo.collectives(_marked_grad, w, x)
+        dense = qt.hlo.collectives(
             jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))), w, x
         )
     weight_shard = m * n * 4 // 2

@@ -45,7 +45,7 @@ def _top_k(g):
 
 
 def test_compress_skips_vectors_and_leaves_that_save_too_little():
-    tx = qto.compress(_top_k)
+    tx = qto.compress_updates(_top_k)
     state = tx.init(_params())
     # (2, 3): k=1 stores 8 bytes of 24, a rate of 3; with the default 2.0 it is kept.
     assert {k for k, v in state.error.items() if v is not None} == {
@@ -53,7 +53,7 @@ def test_compress_skips_vectors_and_leaves_that_save_too_little():
         "small",
         "kernel",
     }
-    strict = qto.compress(_top_k, min_compression_rate=4.0)
+    strict = qto.compress_updates(_top_k, min_compression_rate=4.0)
     assert strict.init(_params()).error["small"] is None
     grads = _grads()
     updates, _ = jax.jit(strict.update)(grads, strict.init(_params()))
@@ -64,7 +64,7 @@ def test_compress_skips_vectors_and_leaves_that_save_too_little():
 
 def test_compress_skips_leaves_the_compressor_rejects():
     # Rank 4 does not fit a (2, 3) matrix: `low_rank` raises, so the leaf is skipped.
-    tx = qto.compress(lambda g: qt.low_rank(g, 4), min_compression_rate=1.0)
+    tx = qto.compress_updates(lambda g: qt.low_rank(g, 4), min_compression_rate=1.0)
     state = tx.init(_params())
     assert state.error["small"] is None and state.error["w"] is not None
 
@@ -73,12 +73,12 @@ def test_compress_skips_leaves_the_compressor_rejects():
     "filter",
     [
         {"w": True, "b": True, "small": False, "kernel": False},
-        lambda leaf: leaf.shape == (30, 20),
+        lambda updates: jax.tree.map(lambda leaf: leaf.shape == (30, 20), updates),
     ],
     ids=["pytree", "callable"],
 )
 def test_compress_filter(filter):
-    tx = qto.compress(_top_k, filter=filter)
+    tx = qto.compress_updates(_top_k, filter=filter)
     state = tx.init(_params())
     assert [k for k, v in state.error.items() if v is not None] == ["w"]
     grads = _grads()
@@ -88,7 +88,7 @@ def test_compress_filter(filter):
 
 def test_compress_filter_may_be_a_prefix():
     params = {"dense": _params(), "frozen": {"w": jnp.zeros((30, 20))}}
-    tx = qto.compress(_top_k, filter={"dense": True, "frozen": False})
+    tx = qto.compress_updates(_top_k, filter={"dense": True, "frozen": False})
     state = tx.init(params)
     assert state.error["frozen"]["w"] is None
     assert state.error["dense"]["w"] is not None
@@ -128,7 +128,7 @@ def _run(tx, grads):
 )
 def test_error_feedback_sum_of_updates_tracks_sum_of_gradients(compressor):
     grads = _stream(60, (16, 12))
-    state, updates = _run(qto.compress(compressor), grads)
+    state, updates = _run(qto.compress_updates(compressor), grads)
     applied, true = jnp.cumsum(updates, 0), jnp.cumsum(grads, 0)
     # Exactly: what was applied is what was asked for minus the carried error.
     assert_close(applied[-1], true[-1] - state.error, scale=float(jnp.abs(true).max()))
@@ -139,7 +139,7 @@ def test_error_feedback_sum_of_updates_tracks_sum_of_gradients(compressor):
 
 def test_without_error_feedback_the_update_is_the_compressed_gradient():
     grads = _grads()
-    tx = qto.compress(qt.sign_norm, error_feedback=None)
+    tx = qto.compress_updates(qt.sign_norm, error_feedback=None)
     state = tx.init(_params())
     assert state == qto.CompressState(None, None, None)
     updates, _ = tx.update(grads, state)
@@ -148,7 +148,7 @@ def test_without_error_feedback_the_update_is_the_compressed_gradient():
 
 def test_ef21_estimate_converges_to_a_fixed_gradient():
     grads = jnp.broadcast_to(_stream(1, (16, 12))[0], (60, 16, 12))
-    state, updates = _run(qto.compress(_top_k, error_feedback="ef21"), grads)
+    state, updates = _run(qto.compress_updates(_top_k, error_feedback="ef21"), grads)
     assert_close(updates[-1], grads[0])
     assert_close(state.estimate, grads[0])
     assert state.aggregate is None
@@ -282,7 +282,7 @@ def test_powersgd_asks_for_two_all_reduces_per_round_whatever_the_depth(iters):
     the bytes are those of one all-reduce per matrix."""
     rank, depth, width = 2, 12, 16
     tx = qto.powersgd(rank, iters=iters, axis_name="data", min_compression_rate=1.0)
-    found = qt.collectives(_lowered_step(tx, _layers(depth, width)))
+    found = qt.hlo.collectives(_lowered_step(tx, _layers(depth, width)))
     assert [c.kind for c in found] == ["all-reduce"] * (2 * iters + 1), found
     factors = iters * depth * rank * (width + width)
     assert sum(c.operand_bytes for c in found) == 4 * (factors + depth * width)
@@ -291,7 +291,7 @@ def test_powersgd_asks_for_two_all_reduces_per_round_whatever_the_depth(iters):
 def test_powersgd_batches_per_dtype():
     params = _layers(3) + [{"w": jnp.zeros((16, 16), jnp.bfloat16)}]
     tx = qto.powersgd(2, axis_name="data", min_compression_rate=1.0)
-    found = qt.collectives(_lowered_step(tx, params))
+    found = qt.hlo.collectives(_lowered_step(tx, params))
     # P and Q of the float32 matrices, of the bfloat16 matrix, and the biases.
     assert len(found) == 5, found
     assert sum("bf16" in s for c in found for s in c.operand_shapes) == 2, found
@@ -336,8 +336,8 @@ def test_powersgd_int8_error_is_the_error_rounded_per_block():
     [
         lambda: qto.powersgd(4),
         lambda: qto.powersgd(4, error_dtype="int8"),
-        lambda: qto.compress(_top_k, error_feedback="ef21"),
-        lambda: qto.compress(qt.sign_norm),
+        lambda: qto.compress_updates(_top_k, error_feedback="ef21"),
+        lambda: qto.compress_updates(qt.sign_norm),
     ],
     ids=["powersgd", "powersgd-int8-error", "top-k-ef21", "sign-ef"],
 )
@@ -370,11 +370,11 @@ def test_chained_with_adam_in_a_scan_converges(make_tx):
 
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="error_feedback"):
-        qto.compress(_top_k, error_feedback="both")
+        qto.compress_updates(_top_k, error_feedback="both")
     with pytest.raises(ValueError, match="min_compression_rate"):
-        qto.compress(_top_k, min_compression_rate=0)
+        qto.compress_updates(_top_k, min_compression_rate=0)
     with pytest.raises(TypeError, match="compressor"):
-        qto.compress(lambda g: g).init(_params())
+        qto.compress_updates(lambda g: g).init(_params())
     with pytest.raises(ValueError, match="rank"):
         qto.powersgd(0)
     with pytest.raises(TypeError, match="iters"):
@@ -386,9 +386,9 @@ def test_arguments_are_checked():
     with pytest.raises(ValueError, match="error_feedback=False"):
         qto.powersgd(2, error_feedback=False, error_dtype="int8")
     with pytest.raises(TypeError, match="filter"):
-        qto.compress(_top_k, filter={"w": 1, "b": 1, "small": 1, "kernel": 1}).init(
-            _params()
-        )
+        qto.compress_updates(
+            _top_k, filter={"w": 1, "b": 1, "small": 1, "kernel": 1}
+        ).init(_params())
 
 
 def test_update_with_an_unbound_axis_explains():
@@ -400,7 +400,7 @@ def test_update_with_an_unbound_axis_explains():
 def test_partition_specs_of_a_chain():
     tx = optax.chain(
         qto.powersgd(2, axis_name="data"),
-        qto.compress(_top_k, error_feedback="ef21", axis_name="data"),
+        qto.compress_updates(_top_k, error_feedback="ef21", axis_name="data"),
         qto.powersgd(2, error_dtype="int8", axis_name="data"),
         optax.adam(1e-3),
     )

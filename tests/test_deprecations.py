@@ -1,0 +1,108 @@
+"""Old public names still work for one release: each use warns, names its
+replacement, and gives what the replacement gives."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import quax_tangents as qt
+
+
+DEPRECATED = "is deprecated and will be removed in the next release of quax_tangents"
+
+
+def _warns(new):
+    return pytest.warns(DeprecationWarning, match=re.escape(f"{DEPRECATED}; use `{new}`"))
+
+
+@pytest.mark.parametrize(
+    "name", ["Collective", "collectives", "received_bytes", "schedule_bytes"]
+)
+def test_diagnostics_moved_to_the_hlo_namespace(name):
+    with _warns(f"qt.hlo.{name}"):
+        old = getattr(qt, name)
+    assert old is getattr(qt.hlo, name)
+    assert name not in qt.__all__ and name in qt.hlo.__all__
+    assert name not in dir(qt)
+
+
+def test_the_warning_points_at_the_callers_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.collectives  # noqa: B018
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_apply_tangent_updates_is_apply_updates():
+    pytest.importorskip("optax", reason="needs the `optax` extra")
+    with _warns("quax_tangents.optax.apply_updates"):
+        old = qt.apply_tangent_updates
+    assert old is qt.move
+    assert "apply_tangent_updates" not in qt.__all__
+
+
+def test_optax_compress_is_compress_updates():
+    qto = pytest.importorskip("quax_tangents.optax", reason="needs the `optax` extra")
+    with _warns("qto.compress_updates"):
+        old = qto.compress
+    assert old is qto.compress_updates
+    assert "compress" not in qto.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        qto.no_such_name  # noqa: B018
+
+
+def _init_structure(tx):
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+    return jax.tree.structure(jax.eval_shape(tx.init, params))
+
+
+@pytest.mark.parametrize(
+    "old, new, method",
+    [
+        ({"two_phase": True}, "method=qt.TwoPhase()", qt.TwoPhase()),
+        ({"two_phase": False}, "method=qt.GatherSum()", qt.GatherSum()),
+        ({"schedule": "two_phase"}, "method=qt.TwoPhase()", qt.TwoPhase()),
+        ({"schedule": "gather"}, "method=qt.GatherSum()", qt.GatherSum()),
+        ({"schedule": "auto"}, "method=qt.Cheapest()", qt.Cheapest()),
+    ],
+)
+def test_schedule_and_two_phase_are_method(old, new, method):
+    qto = pytest.importorskip("quax_tangents.optax", reason="needs the `optax` extra")
+    with _warns(f"compress_updates({new})"):
+        deprecated = qto.compress_updates(qt.sign_norm, axis_name="data", **old)
+    current = qto.compress_updates(qt.sign_norm, axis_name="data", method=method)
+    assert _init_structure(deprecated) == _init_structure(current)
+
+
+def test_schedule_and_method_that_disagree_are_refused():
+    qto = pytest.importorskip("quax_tangents.optax", reason="needs the `optax` extra")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="only"):
+        qto.compress_updates(
+            qt.sign_norm, axis_name="data", method=qt.GatherSum(), two_phase=True
+        )
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="only"):
+        qto.compress_updates(
+            qt.sign_norm, axis_name="data", schedule="gather", two_phase=True
+        )
+    with pytest.raises(ValueError, match="`schedule` must be"):
+        qto.compress_updates(qt.sign_norm, axis_name="data", schedule="ring")
+
+
+def test_a_filter_written_per_leaf_still_selects_leaf_by_leaf():
+    qto = pytest.importorskip("quax_tangents.optax", reason="needs the `optax` extra")
+    params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((32, 64))}
+    per_leaf = qto.compress_updates(
+        qt.sign_norm, filter=lambda leaf: leaf.shape == (64, 32)
+    )
+    with _warns("filter=lambda updates: jax.tree.map(lambda leaf: ..., updates)"):
+        state = per_leaf.init(params)
+    whole = qto.compress_updates(
+        qt.sign_norm,
+        filter=lambda u: jax.tree.map(lambda leaf: leaf.shape == (64, 32), u),
+    )
+    expected = whole.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(expected)
+    assert state.error["v"] is None and state.error["w"] is not None
