@@ -373,10 +373,10 @@ def test_int8_error_feedback_converges_on_one_device():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"two_phase": True}, "axis_name"),
+        ({"method": qt.TwoPhase()}, "axis_name"),
         ({"sharded": True}, "axis_name"),
-        ({"two_phase": True, "sharded": True, "axis_name": AXIS}, "one of"),
-        ({"two_phase": True, "axis_name": AXIS, "error_feedback": "ef21"}, "ef21"),
+        ({"method": qt.TwoPhase(), "sharded": True, "axis_name": AXIS}, "one of"),
+        ({"method": qt.TwoPhase(), "axis_name": AXIS, "error_feedback": "ef21"}, "ef21"),
         ({"error_dtype": "int8", "error_feedback": None}, "error_dtype"),
         ({"error_dtype": "int4"}, "error_dtype"),
         ({"sharded": lambda x: True, "axis_name": AXIS}, "callable"),
