@@ -4,6 +4,17 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 
+# Importing the test helpers here would import quax_tangents, and with it start JAX's
+# backend before the flags below are set: the flag is spelled out, as in
+# `tests/helpers/collective.py`.
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+def _with_flag(flags: str, name: str, flag: str) -> str:
+    """`flags` with `flag` added, unless `flags` already names `name`."""
+    return flags if name in flags else " ".join(filter(None, [flags, flag]))
+
+
 # XLA's CPU backend runs LLVM at -O2 on every program it compiles. The suite's
 # programs are tiny, so compiling them costs more than running them, and at -O0 LLVM
 # compiles them several times faster (one scanned gradient of
@@ -11,14 +22,21 @@ from hypothesis import HealthCheck, settings
 # passes do not depend on it: the optimised HLO, `memory_analysis()` and
 # `cost_analysis()` are the same; float results may differ in their last bits (the
 # tests compare within tolerances, or variants compiled alike).
-# Set before JAX starts its backend; subprocesses (the fresh-process runs, examples and
-# benchmarks) inherit it. An XLA_FLAGS that names a level already keeps it.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(
-        filter(
-            None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]
-        )
-    )
+#
+# The multi-device tests (shard_map, collectives, tensor parallelism) need 8 devices,
+# which XLA's CPU backend gives as host devices when asked before it starts. With them
+# in every worker those tests run beside the others, not in fresh processes of their
+# own; a one-device program still runs on the first device, as it would alone.
+#
+# Both are set before JAX starts its backend; subprocesses (examples and benchmarks)
+# inherit the level, while `tests/helpers/scripts.py` leaves the device count to the
+# scripts. An XLA_FLAGS that names a level or a count already keeps it.
+_flags = os.environ.get("XLA_FLAGS", "")
+_flags = _with_flag(
+    _flags, "xla_backend_optimization_level", "--xla_backend_optimization_level=0"
+)
+_flags = _with_flag(_flags, "xla_force_host_platform_device_count", _DEVICE_FLAG)
+os.environ["XLA_FLAGS"] = _flags
 
 
 # Property tests compile a small JAX program per example; on 2 cores that dominates

@@ -1,5 +1,8 @@
 """The benchmarks run end to end in their quick mode, their scripts cannot shadow an
-importable module, and a quick run leaves the committed results alone."""
+importable module, and a quick run leaves the committed results alone.
+
+Every quick run is a smoke run of a whole script in its own process, marked `slow`:
+`-m "not slow"` leaves them out, `.ci/run` runs them as a part of their own."""
 
 import ast
 import importlib.metadata
@@ -47,6 +50,7 @@ def test_script_names_cannot_shadow_a_module():
         assert not uses, f"{script.name} uses sys.path on lines {uses}"
 
 
+@pytest.mark.slow
 def test_jvp_benchmark_quick_leaves_committed_results_alone():
     # As a user or `nox -s bench -- bench_jvp --quick` runs it: no `--out`.
     committed = RESULTS / "bench_jvp.md"
@@ -105,6 +109,7 @@ def test_collective_benchmark_quick(tmp_path):
     assert "| method | 2 devices | 4 devices | 8 devices |" in text
 
 
+@pytest.mark.slow
 def test_collective_benchmark_step_times_only_quick(tmp_path):
     # Only the two-phase step-time rows, once each (the ratios are not checked).
     out = tmp_path / "step_times.md"
@@ -129,6 +134,7 @@ def test_collective_benchmark_step_times_only_quick(tmp_path):
     assert "| powersgd" not in text  # nothing else was trained
 
 
+@pytest.mark.slow
 def test_compression_benchmark_quick(tmp_path):
     # The script exits non-zero when a storage target is missed or a documented
     # error bound does not hold, which `run_script` turns into a failure.
@@ -142,6 +148,7 @@ def test_compression_benchmark_quick(tmp_path):
     assert "| holds:" in text and "VIOLATED" not in text
 
 
+@pytest.mark.slow
 def test_schedule_benchmark_quick(tmp_path):
     # The script exits non-zero when the default receives more bytes than a schedule
     # it could have chosen, more than dense, or other than predicted.
@@ -151,6 +158,7 @@ def test_schedule_benchmark_quick(tmp_path):
     assert rows == ["ok"] * 15, rows
 
 
+@pytest.mark.slow
 def test_encoders_benchmark_quick(tmp_path):
     # The script exits non-zero when a baseline's output differs from the library's
     # (bit for bit, encoded and decoded), which `run_script` turns into a failure.

@@ -15,7 +15,9 @@ DEPRECATED = "is deprecated and will be removed in the next release of quax_tang
 
 
 def _warns(new):
-    return pytest.warns(DeprecationWarning, match=re.escape(f"{DEPRECATED}; use `{new}`"))
+    return pytest.warns(
+        DeprecationWarning, match=re.escape(f"{DEPRECATED}; use `{new}`")
+    )
 
 
 @pytest.mark.parametrize(

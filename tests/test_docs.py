@@ -27,6 +27,8 @@ from tests.helpers.docs import ROOT, normalise, read_blocks, run_page
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PAGES_WITH_CODE = [page for page in PAGES if read_blocks(page)]
+# Pages whose blocks compile whole training steps: 10-20 s each on two cores.
+SLOW_PAGES = {"docs/llm.md", "docs/training.md"}
 
 
 def _name(page: pathlib.Path) -> str:
@@ -54,7 +56,12 @@ def _cotangents_page_values(namespace: dict) -> None:
 PAGE_VALUES = {"docs/cotangents.md": _cotangents_page_values}
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
+def _page_param(page: pathlib.Path):
+    marks = [pytest.mark.slow] if _name(page) in SLOW_PAGES else []
+    return pytest.param(page, marks=marks, id=_name(page))
+
+
+@pytest.mark.parametrize("page", [_page_param(page) for page in PAGES_WITH_CODE])
 def test_page_runs_and_prints_what_it_shows(page):
     blocks = [block for block in read_blocks(page) if not block.skip]
     outcomes = run_page(page, PAGE_VALUES.get(_name(page)))
@@ -81,6 +88,7 @@ def test_page_runs_and_prints_what_it_shows(page):
 def test_the_docs_have_code_to_run():
     # Guards against a parser change that silently finds nothing.
     assert len(PAGES_WITH_CODE) >= 10
+    assert SLOW_PAGES <= {_name(page) for page in PAGES_WITH_CODE}, SLOW_PAGES
     assert sum(len(read_blocks(page)) for page in PAGES_WITH_CODE) >= 50
 
 

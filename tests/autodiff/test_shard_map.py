@@ -1,10 +1,7 @@
 """`jax.shard_map` and explicit shardings inside the autodiff entry points, marks on
 sharded weights, and the data-parallel all-reduce of projected gradients.
 
-These tests need 8 host CPU devices. When this process has fewer, they are skipped
-here and run in a fresh Python process with
-`XLA_FLAGS=--xla_force_host_platform_device_count=8`
-(`test_shard_map_tests_in_a_fresh_process`).
+These tests need 8 host CPU devices, which `tests/conftest.py` asks XLA for.
 """
 
 import jax
@@ -18,20 +15,12 @@ import quax_tangents as qt
 from quax_tangents._marks._matrix_view import to_matrix
 from tests.helpers import assert_close, llama
 from tests.helpers.collective import (
-    enough_devices,
-    needs_devices_for,
-    run_tests_in_fresh_process,
+    skip_without_devices,
 )
 
 
 _ROWS = P("d", None)
-needs_devices = needs_devices_for("test_shard_map_tests_in_a_fresh_process", 8)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(enough_devices(8), reason="this process has the devices")
-def test_shard_map_tests_in_a_fresh_process():
-    run_tests_in_fresh_process(__file__, "not fresh_process")
+needs_devices = skip_without_devices(8)
 
 
 @pytest.fixture(autouse=True)

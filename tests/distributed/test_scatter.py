@@ -2,9 +2,8 @@
 bytes each device receives (from the compiled HLO), the results against the same
 sums computed centrally, and error feedback around them in `qto.compress_updates`.
 
-Like `tests/distributed/test_collective.py`, the multi-device tests run in a fresh
-Python process with 8 host CPU devices when this one has fewer
-(`test_scatter_tests_in_a_fresh_process`).
+The multi-device tests use the 8 host CPU devices that `tests/conftest.py` asks XLA
+for.
 """
 
 import functools as ft
@@ -24,15 +23,13 @@ from quax_tangents._distributed._hlo import Collective
 from quax_tangents._distributed._scatter import chunk_elems
 from tests.helpers import assert_close
 from tests.helpers.collective import (
-    needs_devices_for,
     relative_error,
     run_replicated,
-    run_tests_in_fresh_process,
+    skip_without_devices,
 )
 from tests.helpers.scatter import (
     AXIS,
     DEVICES,
-    enough_devices,
     least_squares,
     least_squares_grad,
     on_mesh,
@@ -43,12 +40,7 @@ from tests.helpers.scripts import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-needs_devices = needs_devices_for("test_scatter_tests_in_a_fresh_process", DEVICES)
-
-
-@pytest.mark.skipif(enough_devices(), reason="this process has the devices")
-def test_scatter_tests_in_a_fresh_process():
-    run_tests_in_fresh_process(__file__, "not fresh and not example")
+needs_devices = skip_without_devices(DEVICES)
 
 
 # ---------------------------------------------------------------------------------
@@ -262,7 +254,9 @@ def test_reduce_scatter_rejects_an_indivisible_dimension():
 
 
 def _two_phase_sgd(compressor, **options):
-    tx = qto.compress_updates(compressor, axis_name=AXIS, method=qt.TwoPhase(), **options)
+    tx = qto.compress_updates(
+        compressor, axis_name=AXIS, method=qt.TwoPhase(), **options
+    )
     return optax.chain(tx, optax.sgd(0.1))
 
 
@@ -376,7 +370,10 @@ def test_int8_error_feedback_converges_on_one_device():
         ({"method": qt.TwoPhase()}, "axis_name"),
         ({"sharded": True}, "axis_name"),
         ({"method": qt.TwoPhase(), "sharded": True, "axis_name": AXIS}, "one of"),
-        ({"method": qt.TwoPhase(), "axis_name": AXIS, "error_feedback": "ef21"}, "ef21"),
+        (
+            {"method": qt.TwoPhase(), "axis_name": AXIS, "error_feedback": "ef21"},
+            "ef21",
+        ),
         ({"error_dtype": "int8", "error_feedback": None}, "error_dtype"),
         ({"error_dtype": "int4"}, "error_dtype"),
         ({"sharded": lambda x: True, "axis_name": AXIS}, "callable"),

@@ -2,9 +2,8 @@
 byte counts per schedule from shapes, the choice at each device count, and, on 2, 4
 and 8 host devices, the bytes read from the compiled HLO.
 
-The multi-device tests run in a fresh Python process with 8 host CPU devices when
-this one has fewer (`test_schedule_tests_in_a_fresh_process`); meshes of 2 and 4
-devices use the first devices of the 8.
+The multi-device tests use the 8 host CPU devices that `tests/conftest.py` asks XLA
+for; meshes of 2 and 4 devices use the first devices of the 8.
 """
 
 import functools as ft
@@ -23,20 +22,13 @@ from quax_tangents._distributed._schedule import cheapest_schedule
 from tests.helpers import assert_close
 from tests.helpers.collective import (
     AXIS,
-    enough_devices,
-    needs_devices_for,
     on_mesh,
-    run_tests_in_fresh_process,
+    skip_without_devices,
     split,
 )
 
 
-needs_devices = needs_devices_for("test_schedule_tests_in_a_fresh_process", 8)
-
-
-@pytest.mark.skipif(enough_devices(8), reason="this process has the devices")
-def test_schedule_tests_in_a_fresh_process():
-    run_tests_in_fresh_process(__file__, "not fresh")
+needs_devices = skip_without_devices(8)
 
 
 _SHAPE = (64, 128)

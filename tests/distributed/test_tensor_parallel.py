@@ -8,10 +8,7 @@ Every cotangent a mark returns must carry its weight's type, sharding included: 
 custom_vjp refuses any other. The tests compare with `jax.grad`'s dense gradient
 and with the same step on a one-device mesh.
 
-These tests need 8 host CPU devices. When this process has fewer, they are skipped
-here and run in a fresh Python process with
-`XLA_FLAGS=--xla_force_host_platform_device_count=8`
-(`test_tensor_parallel_tests_in_a_fresh_process`).
+These tests need 8 host CPU devices, which `tests/conftest.py` asks XLA for.
 """
 
 import functools as ft
@@ -27,22 +24,14 @@ import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, llama
 from tests.helpers.collective import (
-    enough_devices,
-    needs_devices_for,
     relative_error,
-    run_tests_in_fresh_process,
+    skip_without_devices,
 )
 
 
-needs_devices = needs_devices_for("test_tensor_parallel_tests_in_a_fresh_process", 8)
+needs_devices = skip_without_devices(8)
 MESHES = [(2, 2), (2, 4)]
 RANK = 4
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(enough_devices(8), reason="this process has the devices")
-def test_tensor_parallel_tests_in_a_fresh_process():
-    run_tests_in_fresh_process(__file__, "not fresh_process")
 
 
 @pytest.fixture(autouse=True)
@@ -251,6 +240,8 @@ def _train(mesh_shape, microbatches, steps=3):
         return losses, dense, jax.tree.map(np.asarray, params)
 
 
+# 15-25 s each on two cores: the scanned Llama's whole step, compiled per mesh.
+@pytest.mark.slow
 @needs_devices
 @pytest.mark.parametrize("mesh_shape,microbatches", [((2, 2), 1), ((2, 4), 2)])
 def test_galore_trains_the_scanned_llama_on_a_data_model_mesh(mesh_shape, microbatches):

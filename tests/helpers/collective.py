@@ -7,8 +7,6 @@ at import: the rule tests import every helper module.
 """
 
 import os
-import pathlib
-import re
 import subprocess
 import sys
 
@@ -27,23 +25,13 @@ def enough_devices(devices: int = DEVICES) -> bool:
     return len(jax.devices()) >= devices
 
 
-def needs_devices_for(fresh_test: str, devices: int = DEVICES):
-    """Skips a test in a process with too few devices; `fresh_test` runs it."""
+def skip_without_devices(devices: int = DEVICES):
+    """Skips a test in a process with fewer than `devices` devices. `tests/conftest.py`
+    asks XLA for 8 host CPU devices unless `XLA_FLAGS` already names a count."""
     return pytest.mark.skipif(
         not enough_devices(devices),
-        reason=f"runs in a fresh process with 8 host CPU devices (see {fresh_test})",
+        reason=f"needs {devices} devices: run with XLA_FLAGS={DEVICE_FLAG}",
     )
-
-
-def run_tests_in_fresh_process(test_file: str, keyword: str) -> None:
-    """Runs the tests of `test_file` selected by `keyword` with 8 host CPU devices,
-    and fails unless some ran and none was skipped."""
-    result = run_python(
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", keyword, test_file],
-        cwd=pathlib.Path(__file__).resolve().parents[2],
-    )
-    assert re.search(r"\d+ passed", result.stdout), result.stdout[-3000:]
-    assert "skipped" not in result.stdout, result.stdout[-3000:]
 
 
 def relative_error(actual, expected) -> float:

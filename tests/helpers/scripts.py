@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+from tests.helpers.collective import DEVICE_FLAG
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,13 +23,20 @@ def run_in_checkout(*args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
-        env=os.environ | {"PYTHONPATH": path},
+        env=os.environ | {"PYTHONPATH": path, "XLA_FLAGS": _flags_of_a_user()},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def _flags_of_a_user() -> str:
+    """This process's `XLA_FLAGS` without the host device count the test suite asks
+    for: a script sets the count it needs, as it does when a user runs it."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if f != DEVICE_FLAG)
 
 
 def run_script(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:

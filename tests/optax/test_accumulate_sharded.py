@@ -12,23 +12,13 @@ import quax_tangents.optax as qto
 from quax_tangents._core._layout import constrain, factor_layout
 from tests.helpers import assert_close
 from tests.helpers.collective import (
-    enough_devices,
-    needs_devices_for,
-    run_tests_in_fresh_process,
+    skip_without_devices,
 )
 
 
 DEVICES = 8
 RANK = 8
-needs_devices = needs_devices_for(
-    "test_accumulate_sharded_tests_in_a_fresh_process", DEVICES
-)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(enough_devices(DEVICES), reason="this process has the devices")
-def test_accumulate_sharded_tests_in_a_fresh_process():
-    run_tests_in_fresh_process(__file__, "not fresh_process")
+needs_devices = skip_without_devices(DEVICES)
 
 
 # ---------------------------------------------------------------------------------------
