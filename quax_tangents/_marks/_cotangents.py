@@ -47,6 +47,7 @@ from .._core._trace import enter_trace
 from ._marked import Marked
 from ._orthonormal import check_orthonormal
 from ._projection import Finish, finish_p
+from ._sources import Fresh, Given, Source, Switch
 
 
 _T = TypeVar("_T")
@@ -188,13 +189,14 @@ def projected_cotangent(
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
     key_data, key_impl = _key_data(key, batch)
+    source: Source
     if projector is None:
-        source, operands = "fresh", (key_data,)
+        source, operands = Fresh(), (key_data,)
     elif isinstance(projector, Projector):
         matrix = _check_projector(projector.matrix, w, rank, skip=projector.refresh)
-        source, operands = "switch", (matrix, projector.refresh, key_data)
+        source, operands = Switch(), (matrix, projector.refresh, key_data)
     else:
-        source, operands = "given", (_check_projector(projector, w, rank),)
+        source, operands = Given(), (_check_projector(projector, w, rank),)
     spec = Finish("projected", rank, iters, source, key_impl)
     return bind_mark(spec, w, operands)
 
@@ -401,7 +403,7 @@ _finished.defvjp(_finished_fwd, _finished_bwd, symbolic_zeros=True)
 # ---------------------------------------------------------------------------------------
 # Marks whose stack a scan may project layer by layer
 #
-# A `"given_into"` projection of a stacked weight (how `accumulate_gradients` adds a
+# A `GivenInto` projection of a stacked weight (how `accumulate_gradients` adds a
 # microbatch's projection into the running sum) is linear per slice: when a
 # `lax.scan` slices the marked stack, its backward pass can project each layer's
 # cotangent as soon as it is made and write the slice of the sum in place
@@ -425,15 +427,19 @@ _tokens = itertools.count(1)
 
 
 def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
-    into = spec.source in ("given_into", "sketch_key_into")
-    if spec.kind != "projected" or not into or not spec.by_layer or jnp.ndim(w) < 3:
+    if (
+        spec.kind != "projected"
+        or not spec.source.into
+        or not spec.by_layer
+        or jnp.ndim(w) < 3
+    ):
         return None
     return dataclasses.replace(spec, token=next(_tokens))
 
 
 def pushable(x: Any) -> Pushable | None:
-    """The mark behind `x`, if `x` is a stacked `"given_into"` (or
-    `"sketch_key_into"`) mark as `mark_p` made it (not transposed, cast or viewed
+    """The mark behind `x`, if `x` is a stacked `GivenInto` (or `SketchKeyInto`)
+    mark as `mark_p` made it (not transposed, cast or viewed
     since)."""
     if not isinstance(x, Marked) or x.transposed or x.compute_dtype or x.view:
         return None

@@ -31,6 +31,7 @@ from .._core._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
 from ._projection import projected_factor, projection, test_matrix, typed_as
+from ._sources import SketchKeyInto
 
 
 def _is_float(x: Any) -> bool:
@@ -141,40 +142,55 @@ def _backward(
     arrays: Sequence[Any],
     carries: Sequence[Any],
     cts: Sequence[Any],
+    projected: dict[int, tuple[Any, Any, Any]] | None = None,
 ) -> list[Any]:
     """The cotangents of every operand: a reverse scan whose iterations take the
-    VJP of the body with the marked operands as `Marked` values."""
+    VJP of the body with the marked operands as `Marked` values.
+
+    `projected` maps the position of a scanned-over marked stack to its `(spec,
+    P, S)`: each iteration projects its layer's cotangent and writes
+    `S_l + G_l^T P_l` over that slice of `S`, and the stack's cotangent is the
+    stacked `LowRank(P, S)` (see `scan_with_projected_xs`)."""
+    projected = projected or {}
     consts, xs = list(arrays[:nc]), list(arrays[nc + nk :])
     ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
     diff = [_is_float(a) for a in arrays]
     const_dense = [i for i in range(nc) if diff[i] and metas[i] is None]
     const_marked = [i for i in range(nc) if diff[i] and metas[i] is not None]
     carry_diff = [i for i in range(nk) if diff[nc + i]]
-    xs_diff = [i for i in range(len(xs)) if diff[nc + nk + i]]
+    xs_diff = [
+        i for i in range(len(xs)) if diff[nc + nk + i] and nc + nk + i not in projected
+    ]
+    pushed = sorted(projected)
     float_positions = [i for i, d in enumerate(diff) if d]
 
     def back_step(acc: tuple, inp: tuple) -> tuple:
-        ct_k, ct_c = acc
-        carry_t, x_t, ct_y_t = inp
+        ct_k, ct_c, running = acc
+        index, carry_t, x_t, ct_y_t = inp
         inputs = [*consts, *carry_t, *x_t]
         in_cts = _iteration_cotangents(
             body, metas, float_positions, inputs, nk, ct_k, ct_y_t
         )
+        new_sums = [
+            _add_projected_slice(in_cts[i], index, total, *projected[i])
+            for i, total in zip(pushed, running)
+        ]
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
         new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
         per_iteration = [in_cts[i] for i in const_marked]
         ct_x = [in_cts[nc + nk + i] for i in xs_diff]
-        return (new_ct_k, new_ct_c), (per_iteration, ct_x)
+        return (new_ct_k, new_ct_c, new_sums), (per_iteration, ct_x)
 
     float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
     init = (
         [ct_carry[i] for i in carry_diff],
         [jnp.zeros_like(arrays[i]) for i in const_dense],
+        [projected[i][2] for i in pushed],
     )
-    (ct_k, ct_c), (ct_marked, ct_xs) = jax.lax.scan(
+    (ct_k, ct_c, running), (ct_marked, ct_xs) = jax.lax.scan(
         back_step,
         init,
-        (list(carries), xs, float_ct_ys),
+        (jnp.arange(options["length"]), list(carries), xs, float_ct_ys),
         length=options["length"],
         reverse=not options["reverse"],
         unroll=options["unroll"],
@@ -185,6 +201,9 @@ def _backward(
     for i, ct in zip(const_marked, ct_marked):
         # The iterations' factors side by side: their exact sum.
         result[i] = jnp.sum(ct, axis=0)
+    for i, total in zip(pushed, running):
+        spec, projector, _ = projected[i]
+        result[i] = _stacked_projection(spec, projector, total, arrays[i])
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
     for i, ct in zip(xs_diff, ct_xs):
@@ -192,11 +211,34 @@ def _backward(
     return result
 
 
+def _add_projected_slice(
+    ct: Any, index: Any, running: Any, spec: Any, projector: Any, total: Any
+) -> Any:
+    """`running` with its slice `index` replaced by `S_l + G_l^T P_l`, from the
+    layer's cotangent `ct` (`G_l`), its projector and its slice of the sum."""
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
+    factor = projected_factor(ct, take(projector), take(running), spec)
+    new = constrain(factor.astype(total.dtype), drop_leading(spec.layout, 1))
+    return jax.lax.dynamic_update_index_in_dim(running, new, index, 0)
+
+
+def _stacked_projection(spec: Any, projector: Any, total: Any, w: Any) -> Any:
+    """The stacked `LowRank(P, S)` (or the sketch `LowRank(S, Ω)`) of the weight
+    `w` whose slices of `S` the backward scan wrote, typed as `w`'s cotangent."""
+    left = _projector_left(w)
+    if isinstance(spec.source, SketchKeyInto):
+        omega = _test_matrices(spec, projector, jnp.shape(w))
+        out = projection(omega.astype(total.dtype), total, not left, False)
+    else:
+        out = projection(projector.astype(total.dtype), total, left)
+    return typed_as(out, jax.typeof(w))
+
+
 # ---------------------------------------------------------------------------------------
 # A scan over the stack of a marked weight, projected layer by layer
-# (a `"sketch_key_into"` mark, a refresh step's first pass, is sketched the same way)
+# (a `SketchKeyInto` mark, a refresh step's first pass, is sketched the same way)
 #
-# When a scan slices a stacked weight marked for a `"given_into"` projection (a
+# When a scan slices a stacked weight marked for a `GivenInto` projection (a
 # given projector `P` and a running sum `S`, as `accumulate_gradients` marks it),
 # JAX's transpose of the scan would emit every layer's cotangent factors as a stacked
 # output, kept until the mark projects them after the scan. Here the scan runs as a
@@ -210,7 +252,7 @@ def _backward(
 
 def applies_projected(args: Sequence[Any], num_consts: int, num_carry: int) -> bool:
     """Whether a scan's operands call for `scan_with_projected_xs`: a scanned-over
-    stack marked for a `"given_into"` projection, and no other quax value."""
+    stack marked for a `GivenInto` projection, and no other quax value."""
     xs = args[num_consts + num_carry :]
     if not any(_cotangents.pushable(x) is not None for x in xs):
         return False
@@ -266,95 +308,17 @@ def scan_with_projected_xs(
     def scanned_bwd(residuals: tuple, cts: list[Any]) -> tuple:
         flat, carries = residuals
         arrays, extra = list(flat[:n]), list(flat[n:])
-        specs = {i: e.spec for i, e in zip(pushed, found)}
-        sums = {i: (extra[2 * k], extra[2 * k + 1]) for k, i in enumerate(pushed)}
-        result = _backward_projected(
-            body, metas, nc, nk, options, arrays, carries, cts, sums, specs
+        projected = {
+            i: (e.spec, extra[2 * k], extra[2 * k + 1])
+            for k, (i, e) in enumerate(zip(pushed, found))
+        }
+        result = _backward(
+            body, metas, nc, nk, options, arrays, carries, cts, projected
         )
         return (*result, *(None for _ in extra))
 
     scanned.defvjp(scanned_fwd, scanned_bwd)
     return scanned(*arrays, *extras)
-
-
-def _backward_projected(
-    body: Callable,
-    metas: Sequence[dict | None],
-    nc: int,
-    nk: int,
-    options: dict[str, Any],
-    arrays: Sequence[Any],
-    carries: Sequence[Any],
-    cts: Sequence[Any],
-    sums: dict[int, tuple[Any, Any]],
-    specs: dict[int, Any],
-) -> list[Any]:
-    """The cotangents of every operand; a scanned-over marked stack `i` gets the
-    stacked `LowRank(P, S + G^T P)` from `sums[i] = (P, S)`."""
-    consts, xs = list(arrays[:nc]), list(arrays[nc + nk :])
-    ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
-    diff = [_is_float(a) for a in arrays]
-    const_dense = [i for i in range(nc) if diff[i]]
-    carry_diff = [i for i in range(nk) if diff[nc + i]]
-    xs_diff = [
-        i for i in range(len(xs)) if diff[nc + nk + i] and nc + nk + i not in sums
-    ]
-    pushed = sorted(sums)
-    float_positions = [i for i, d in enumerate(diff) if d]
-
-    def back_step(acc: tuple, inp: tuple) -> tuple:
-        ct_k, ct_c, running = acc
-        index, carry_t, x_t, ct_y_t = inp
-        inputs = [*consts, *carry_t, *x_t]
-        in_cts = _iteration_cotangents(
-            body, metas, float_positions, inputs, nk, ct_k, ct_y_t
-        )
-        new_sums = []
-        for i, b in zip(pushed, running):
-            projector, total = sums[i]
-            take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
-            old = take(b)
-            factor = projected_factor(in_cts[i], take(projector), old, specs[i])
-            layout = drop_leading(specs[i].layout, 1)
-            new = constrain(factor.astype(total.dtype), layout)
-            new_sums.append(jax.lax.dynamic_update_index_in_dim(b, new, index, 0))
-        new_ct_k = [in_cts[nc + i] for i in carry_diff]
-        new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
-        ct_x = [in_cts[nc + nk + i] for i in xs_diff]
-        return (new_ct_k, new_ct_c, new_sums), ct_x
-
-    float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
-    init = (
-        [ct_carry[i] for i in carry_diff],
-        [jnp.zeros_like(arrays[i]) for i in const_dense],
-        [sums[i][1] for i in pushed],
-    )
-    (ct_k, ct_c, running), ct_xs = jax.lax.scan(
-        back_step,
-        init,
-        (jnp.arange(options["length"]), list(carries), xs, float_ct_ys),
-        length=options["length"],
-        reverse=not options["reverse"],
-        unroll=options["unroll"],
-    )
-    result: list[Any] = [None] * len(arrays)
-    for i, ct in zip(const_dense, ct_c):
-        result[i] = ct
-    for i, b in zip(pushed, running):
-        projector, total = sums[i]
-        factor = b
-        left = _projector_left(arrays[i])
-        if specs[i].source == "sketch_key_into":
-            omega = _test_matrices(specs[i], projector, jnp.shape(arrays[i]))
-            result[i] = projection(omega.astype(total.dtype), factor, not left, False)
-        else:
-            result[i] = projection(projector.astype(total.dtype), factor, left)
-        result[i] = typed_as(result[i], jax.typeof(arrays[i]))
-    for i, ct in zip(carry_diff, ct_k):
-        result[nc + i] = ct
-    for i, ct in zip(xs_diff, ct_xs):
-        result[nc + nk + i] = ct
-    return result
 
 
 def _projector_left(w: Any) -> bool:

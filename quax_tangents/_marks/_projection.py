@@ -39,6 +39,7 @@ from .._types._primitives import (
 from .._types.lowrank import LowRank, within_budget
 from .._types.outer import OuterSum
 from .._types.rows import SparseRows
+from ._sources import Fresh, GivenInto, Sketch, Source
 
 
 def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:
@@ -89,43 +90,40 @@ def _rows(ids: ArrayLike, rows: ArrayLike, *, num_rows: int) -> SparseRows:
 
 
 Kind = Literal["factored", "projected", "rows"]
-Source = Literal[
-    "given", "given_into", "fresh", "switch", "sketch", "sketch_key", "sketch_key_into"
-]
 
 
 @dataclasses.dataclass(frozen=True)
 class Finish:
     """What `finish_p` makes of a cotangent, and which operands follow it.
 
-    `source` says where a projection's projector comes from: `"given"` (operands:
-    the projector), `"fresh"` (operands: the key data) or `"switch"` (operands: the
-    projector, a bool saying "refresh", the key data). `"sketch"` (operands: a test
-    matrix `Ω`) and `"sketch_key"` (operands: the key data `Ω` is drawn from, as the
-    range finder of `"fresh"` draws it) give `G Ω` instead of a projection;
-    `"sketch_key_into"` (operands: the key data, a sum `S` of earlier sketches) gives
-    `S + G Ω`.
-    `"given_into"` (operands: the projector, a sum `S` of earlier factors) gives
-    `LowRank(P, S + G^T P)`, written over `S` slice by slice: how
-    `quax_tangents.optax.accumulate_gradients` adds microbatches up without a second
-    factor-sized buffer.
+    `source` says where a projection's projector comes from, and so which operands
+    follow the cotangent: one of the types of `quax_tangents._marks._sources`
+    (`Given`, `GivenInto`, `Fresh`, `Switch`, `Sketch`, `SketchKey`,
+    `SketchKeyInto`).
     """
 
     kind: Kind
     rank: int = 0
     iters: int = 0
-    source: Source = "fresh"
+    source: Source = Fresh()
     key_impl: str = "threefry2x32"
     oversample: int = 4
-    # Which mark a `"given_into"` spec belongs to, when a scan over its stack may
+    # Which mark a `GivenInto` spec belongs to, when a scan over its stack may
     # project it layer by layer (see `quax_tangents._marks._marked_scan`); not compared.
     token: int = dataclasses.field(default=0, compare=False)
     # Whether a scan over the stack may do so (`accumulate_gradients(by_layer=...)`).
     by_layer: bool = True
-    # How the running sum `S` of an `"_into"` source is laid out over a mesh (a
+    # How the running sum `S` of an `into` source is laid out over a mesh (a
     # `NamedSharding`, or None): each slice's new sum is constrained to its share,
     # so that the partitioner reduce-scatters it rather than all-reducing.
     layout: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.source, Source):
+            raise TypeError(
+                f"`source` must be a `Source` (quax_tangents._marks._sources), got "
+                f"{self.source!r}."
+            )
 
 
 finish_p = jexc.Primitive("finish")
@@ -195,11 +193,12 @@ def _projector(
     spec: Finish, operands: tuple, apply: Callable, apply_t: Callable, shape: tuple
 ) -> Array:
     """The projector this step uses, in the working dtype."""
-    if spec.source in ("given", "given_into"):
+    if spec.source.given:
         return operands[0].astype(_work_dtype(operands[0].dtype))
     fresh = lambda: _range_basis(apply, apply_t, shape, spec, _key(spec, operands[-1]))  # noqa: E731
-    if spec.source == "fresh":
+    if isinstance(spec.source, Fresh):
         return fresh()
+    # A `Switch`: keep the given projector or find a fresh one.
     given, refresh = operands[0], operands[1]
     given = given.astype(_work_dtype(given.dtype))
     # Both cases of the switch must share a sharding (explicit mesh axes).
@@ -219,22 +218,22 @@ def _projected(
     m, n = shape
     if m > n:  # project G^T, whose smaller side comes first
         apply, apply_t, shape = apply_t, apply, (n, m)
-    if spec.source == "sketch":
+    if isinstance(spec.source, Sketch):
         return _sketch(operands, apply, m <= n, dtype)
-    if spec.source in ("sketch_key", "sketch_key_into"):
+    if spec.source.sketch:
         # Drawn here, one slice at a time inside a scan over stacked layers, rather
         # than for every layer at once before the pass.
         key = _key(spec, operands[0])
         omega = test_matrix(key, (shape[0], shape[1]), spec.rank, spec.oversample)
-        total = operands[1] if spec.source == "sketch_key_into" else None
+        total = operands[1] if spec.source.into else None
         return _sketch((omega,), apply, m <= n, dtype, total)
     basis = _projector(spec, operands, apply, apply_t, shape)
-    if spec.source in ("given", "given_into"):
+    if spec.source.given:
         basis_out = operands[0].astype(dtype)  # exactly the projector given
     else:
         basis_out = basis.astype(dtype)
     other = apply_t(basis)
-    if spec.source == "given_into":
+    if spec.source.into:
         total = operands[1].astype(other.dtype)
         other = _sharding.like(other, total) + total
     other = other.astype(dtype)
@@ -242,20 +241,6 @@ def _projected(
     if m <= n:
         return unchecked(LowRank, left=basis_out, right=other, projector_side="left")
     return unchecked(LowRank, left=other, right=basis_out, projector_side="right")
-
-
-def _per_slice(spec: Finish) -> tuple[bool, ...]:
-    """Which operands of a projection hold one entry per slice of a stacked weight
-    (the projector and the key data); `refresh` is shared by every slice."""
-    return {
-        "given": (True,),
-        "given_into": (True, True),
-        "fresh": (True,),
-        "switch": (True, False, True),
-        "sketch": (True,),
-        "sketch_key": (True,),
-        "sketch_key_into": (True, True),
-    }[spec.source]
 
 
 def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:
@@ -266,9 +251,9 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     `lax.cond` between keeping and refreshing a projector stays a branch."""
     if batch_ndim == 0:
         return fn
-    if spec.source == "given_into":
+    if isinstance(spec.source, GivenInto):
         return _into_slices(fn, batch_ndim, spec.layout)
-    per_slice = (True,) * arrays + _per_slice(spec)
+    per_slice = (True,) * arrays + spec.source.per_slice
 
     def mapped(*args: Any) -> Any:
         batch = args[0].shape[:batch_ndim]
@@ -289,7 +274,7 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
 
 
 def _into_slices(fn: Callable, batch_ndim: int, layout: Any = None) -> Callable:
-    """`fn(*arrays, projector, sum)` of a `"given_into"` finish, slice by slice in a
+    """`fn(*arrays, projector, sum)` of a `GivenInto` finish, slice by slice in a
     loop that writes each slice's new sum over the old one (in place), so that the
     stack of sums is the only factor-sized buffer."""
 
@@ -377,9 +362,9 @@ _define(finish_p, _finish_dense, _finish_abstract)
 def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
     # Linear in the cotangent for a given projector; the operands are constants.
     tangent = ad.instantiate_zeros(tangents[0])
-    if spec.source in ("given_into", "sketch_key_into"):
+    if spec.source.into:
         # Affine: the sum does not move with `ct`.
-        linear = dataclasses.replace(spec, source=spec.source.removesuffix("_into"))
+        linear = dataclasses.replace(spec, source=spec.source.linear())
         return finish_p.bind(*primals, spec=spec), finish_p.bind(
             tangent, primals[1], spec=linear
         )
@@ -471,7 +456,7 @@ def unique_rows(x: SparseRows) -> SparseRows:
 
 
 # ---------------------------------------------------------------------------------------
-# One slice of a `"given_into"` projection, inside a loop over the slices, and the
+# One slice of a `GivenInto` projection, inside a loop over the slices, and the
 # stacked result put back together (see `quax_tangents._marks._marked_scan`)
 
 projected_factor_p = jexc.Primitive("projected_factor")
@@ -480,7 +465,7 @@ projected_factor_p = jexc.Primitive("projected_factor")
 def _factor(result: LowRank, spec: Finish, shape: tuple) -> Array:
     """The factor of a projection that is not the projector; of a sketch, the
     sketch `G Ω` (the side of `Ω` is the larger side of the matrix `shape`)."""
-    if spec.source.startswith("sketch"):
+    if spec.source.sketch:
         m, n = shape[-2:]
         return result.left if m <= n else result.right
     return result.right if result.projector_side == "left" else result.left
@@ -499,9 +484,9 @@ _define(projected_factor_p, _projected_factor_dense, _projected_factor_abstract)
 
 def projected_factor(ct: Any, projector: Any, total: Any, spec: Finish) -> Any:
     """`S + G^T P` (or `S + G Q` for a tall matrix): the factor that a
-    `"given_into"` finish of one matrix's cotangent `ct` (`G`) gives with the
+    `GivenInto` finish of one matrix's cotangent `ct` (`G`) gives with the
     projector `projector` and the sum `total`, with `ct`'s factors kept apart
-    under quax; for a `"sketch_key_into"` finish (`projector` the key data), the
+    under quax; for a `SketchKeyInto` finish (`projector` the key data), the
     sketch `S + G Ω`."""
     return projected_factor_p.bind(ct, projector, total, spec=spec)
 

@@ -26,8 +26,9 @@ every step does: `4 + 2 * iters` passes.
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -48,6 +49,7 @@ from .._marks._cotangents import (
     sparse_rows_cotangent,
 )
 from .._marks._projection import Finish
+from .._marks._sources import GivenInto, Sketch, SketchKey, SketchKeyInto
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -131,10 +133,80 @@ def _truncate(q: Array, q_extra: Array, b: Array, b_extra: Array, rank: int) -> 
 # One pass over the microbatches
 
 
+class _GivenProjector(eqx.Module):
+    """A pass that projects with the projectors `matrix`: each mark adds its
+    microbatch's `G^T P` (or `G Q`) into the running sum."""
+
+    matrix: Array
+    sketch: ClassVar[bool] = False
+    into: ClassVar[bool] = True
+
+    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
+        given = self.matrix.astype(leaf.dtype)
+        width = self.matrix.shape[-1]
+        if total is None:
+            return in_matrix_view(
+                leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
+            )
+        # The mark adds this microbatch's factor to the running sum in place.
+        spec = Finish(
+            "projected", width, 0, GivenInto(), by_layer=by_layer, layout=layout
+        )
+        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, (given, total)))
+
+
+class _DrawnSketch(eqx.Module):
+    """A pass that sketches each matrix with test matrices drawn from `keys`, one
+    slice at a time inside the model's pass; each mark adds its microbatch's `G Ω`
+    into the running sum."""
+
+    keys: Array
+    key_impl: str = eqx.field(static=True)
+    sketch: ClassVar[bool] = True
+    into: ClassVar[bool] = True
+
+    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
+        if total is None:
+            spec = Finish(
+                "projected", plan.rank, 0, SketchKey(), self.key_impl, _OVERSAMPLE
+            )
+            operands: tuple = (self.keys,)
+        else:
+            # In place, slice by slice, when the model scans over the stack.
+            spec = Finish(
+                "projected",
+                plan.rank,
+                0,
+                SketchKeyInto(),
+                self.key_impl,
+                _OVERSAMPLE,
+                by_layer=by_layer,
+                layout=layout,
+            )
+            operands = (self.keys, total)
+        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, operands))
+
+
+class _GivenSketch(eqx.Module):
+    """A pass that sketches each matrix with the test matrices `tests` (a power
+    iteration's); the microbatches' sketches are summed after the pass."""
+
+    tests: Array
+    sketch: ClassVar[bool] = True
+    into: ClassVar[bool] = False
+
+    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
+        spec = Finish("projected", self.tests.shape[-1], 0, Sketch())
+        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, (self.tests,)))
+
+
+_Mode = _GivenProjector | _DrawnSketch | _GivenSketch
+
+
 def _marked(
     leaf: Any,
     plan: LeafPlan | None,
-    mode: tuple | None,
+    mode: _Mode | None,
     total: Any = None,
     by_layer: bool = True,
     layout: Any = None,
@@ -144,49 +216,12 @@ def _marked(
     if plan.kind == "rows":
         return sparse_rows_cotangent(leaf)
     assert mode is not None  # a projected leaf always has a mode
-    kind, matrix = mode[:2]
-    if kind == "given" and total is not None:
-        # The mark adds this microbatch's factor to the running sum in place.
-        spec = Finish(
-            "projected",
-            matrix.shape[-1],
-            0,
-            "given_into",
-            by_layer=by_layer,
-            layout=layout,
-        )
-        operands = (matrix.astype(leaf.dtype), total)
-    elif kind == "given":
-        width = matrix.shape[-1]
-        given = matrix.astype(leaf.dtype)
-        return in_matrix_view(
-            leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
-        )
-    elif kind == "sketch_key" and total is not None:
-        # The mark adds this microbatch's sketch to the running sum (in place, slice
-        # by slice, when the model scans over the stack).
-        source = "sketch_key_into"
-        spec = Finish(
-            "projected",
-            plan.rank,
-            0,
-            source,
-            mode[2],
-            _OVERSAMPLE,
-            by_layer=by_layer,
-            layout=layout,
-        )
-        operands = (matrix, total)
-    elif kind == "sketch_key":
-        spec = Finish("projected", plan.rank, 0, "sketch_key", mode[2], _OVERSAMPLE)
-        operands = (matrix,)
-    else:
-        spec = Finish("projected", matrix.shape[-1], 0, "sketch")
-        operands = (matrix,)
-    return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, operands))
+    return mode.mark(leaf, plan, total, by_layer, layout)
 
 
-def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any:
+def _contribution(
+    grad: Any, plan: LeafPlan | None, mode: "_Mode | None", path: str
+) -> Any:
     """What one microbatch adds to the accumulator of one leaf."""
     if grad is None:
         return None
@@ -198,9 +233,10 @@ def _contribution(grad: Any, plan: LeafPlan | None, mode: Any, path: str) -> Any
                 "(the marks are applied here)."
             )
         # The factor that is not the given matrix: G^T Q (given) or G Ω (sketch),
-        # both on the side opposite the projector in "given" mode.
+        # both on the side opposite the projector of a given projector's pass.
         projector_left = plan.side == "left"
-        if mode[0] in ("sketch", "sketch_key"):
+        assert mode is not None  # a projected leaf always has a mode
+        if mode.sketch:
             return grad.left if projector_left else grad.right
         return grad.right if projector_left else grad.left
     if isinstance(grad, SparseRows):
@@ -235,7 +271,7 @@ def _pass(
     ]
 
     def layout(i: int, x: Any) -> Any:
-        sketch = modes[i] is not None and modes[i][0] in ("sketch", "sketch_key")
+        sketch = modes[i] is not None and modes[i].sketch
         return _layout(shardings[i], plans[i], x, sketch)
 
     def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
@@ -266,10 +302,7 @@ def _pass(
     # Projections with a given projector, and sketches with drawn test matrices, add
     # into the sum themselves.
     into = [
-        p is not None
-        and p.kind == "project"
-        and m is not None
-        and m[0] in ("given", "sketch_key")
+        p is not None and p.kind == "project" and m is not None and m.into
         for p, m in zip(plans, modes)
     ]
 
@@ -484,7 +517,7 @@ def accumulate_gradients(
         )
 
     def given(matrices: list) -> list:
-        return [None if q is None else ("given", q) for q in matrices]
+        return [None if q is None else _GivenProjector(q) for q in matrices]
 
     def layout_of(i: int, x: Any, projector_side: bool) -> Any:
         return _layout(layouts[i], plans[i], x, projector_side)
@@ -493,7 +526,7 @@ def accumulate_gradients(
         """The new projectors of a refresh step, written over `projectors`."""
         # Each slice's test matrix is drawn inside the model's pass, from its key.
         first = [
-            ("sketch_key", _test_keys(plans[i], key_of[i]), key_impl)
+            _DrawnSketch(_test_keys(plans[i], key_of[i]), key_impl)
             if i in key_of
             else None
             for i in range(len(plans))
@@ -509,7 +542,7 @@ def accumulate_gradients(
             ]
 
         def sketch(tests: list) -> list:
-            return [None if o is None else ("sketch", o) for o in tests]
+            return [None if o is None else _GivenSketch(o) for o in tests]
 
         bases = orthonormal(run(first)[2])
         for _ in range(iters):

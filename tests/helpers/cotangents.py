@@ -21,6 +21,13 @@ from quax_tangents._marks._projection import (
     projection_p,
     rows_p,
 )
+from quax_tangents._marks._sources import (
+    Fresh,
+    Given,
+    GivenInto,
+    SketchKeyInto,
+    Switch,
+)
 from quax_tangents._types.outer import OuterSum
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
@@ -132,7 +139,7 @@ def _finish_operands(draw, shape, batch=()):
     operands: one projector and one key per slice, one `refresh` for all."""
     m, n = shape
     rank = draw(st.integers(1, min(m, n)))
-    source = draw(st.sampled_from(["given", "fresh", "switch"]))
+    source = draw(st.sampled_from([Given(), Fresh(), Switch()]))
     iters = draw(st.integers(0, 2))
     spec = Finish("projected", rank=rank, iters=iters, source=source)
     keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
@@ -140,9 +147,9 @@ def _finish_operands(draw, shape, batch=()):
     projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, min(m, n), rank)))[0]
     refresh = jnp.asarray(draw(st.booleans()))
     operands = {
-        "given": (projector,),
-        "fresh": (key,),
-        "switch": (projector, refresh, key),
+        Given(): (projector,),
+        Fresh(): (key,),
+        Switch(): (projector, refresh, key),
     }[source]
     return spec, operands
 
@@ -198,7 +205,7 @@ def _finish_rows():
 
 @st.composite
 def _into_operands(draw, shape, batch):
-    """A `"given_into"` or `"sketch_key_into"` spec for a matrix of `shape` (stacked
+    """A `GivenInto` or `SketchKeyInto` spec for a matrix of `shape` (stacked
     over `batch`) and its operands: a projector (or key data) and a running sum."""
     m, n = shape
     small, large = min(m, n), max(m, n)
@@ -206,13 +213,13 @@ def _into_operands(draw, shape, batch):
     if draw(st.booleans()):
         projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, small, rank)))
         total = random_array(draw(seeds()), (*batch, large, rank))
-        return Finish("projected", rank, 0, "given_into"), (projector[0], total)
+        return Finish("projected", rank, 0, GivenInto()), (projector[0], total)
     oversample = draw(st.integers(0, 4))
     width = min(rank + oversample, m, n)
     keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
     key = jax.random.key_data(keys).reshape((*batch, -1))
     sums = random_array(draw(seeds()), (*batch, small, width))
-    spec = Finish("projected", rank, 0, "sketch_key_into", "threefry2x32", oversample)
+    spec = Finish("projected", rank, 0, SketchKeyInto(), "threefry2x32", oversample)
     return spec, (key, sums)
 
 
@@ -288,7 +295,7 @@ def _mark():
     def draw_case(draw):
         w = random_array(draw(seeds()), (draw(st.integers(1, 5)), 3))
         projector = random_array(draw(seeds()), (min(w.shape), 1))
-        spec = Finish("projected", rank=1, source="given")
+        spec = Finish("projected", rank=1, source=Given())
         fn = lambda w, p: mark_p.bind(w, p, spec=spec)  # noqa: E731
         return Case(fn, (w, projector), out_type=Marked)
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
+from quax_tangents._marks._sources import GivenInto, SketchKey, SketchKeyInto
 from tests.helpers import assert_close, random_array
 from tests.helpers.stacked import (
     orthonormal,
@@ -512,7 +513,7 @@ def test_the_gradient_through_any_view_matches_dense(data):
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
 def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, dtype):
-    # `finish` with source "given_into" on the total cotangent, an `OuterSum` or a
+    # `finish` with source `GivenInto` on the total cotangent, an `OuterSum` or a
     # dense array, against the dense computation: the sum plus `G^T P` (`G Q` for a
     # tall weight), the projector as given.
     from quax_tangents._marks._projection import Finish, project_dense, project_outer
@@ -530,7 +531,7 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
     )
     wide = jnp.swapaxes(dense, -1, -2) if m <= n else dense
     expected = total.astype(jnp.float32) + wide @ projector.astype(jnp.float32)
-    spec = Finish("projected", rank, 0, "given_into")
+    spec = Finish("projected", rank, 0, GivenInto())
     for got in (
         project_outer(spec, OuterSum(left, right), (projector, total)),
         project_dense(spec, dense.astype(dtype), (projector, total)),
@@ -550,7 +551,7 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
 def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
     seed, batch, sides
 ):
-    # `finish` with source "sketch_key" draws each slice's test matrix `Ω` from its
+    # `finish` with source `SketchKey` draws each slice's test matrix `Ω` from its
     # key, as the range finder does, and gives `LowRank(G Ω, Ω)` (`(Ω, G^T Ω)` for a
     # tall weight): checked against the dense product with the same draws.
     from quax_tangents._marks._projection import Finish, project_outer, test_matrix
@@ -565,7 +566,7 @@ def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
     keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(batch))))
     keys = keys.reshape(batch) if batch else keys[0]
     got = project_outer(
-        Finish("projected", rank, 0, "sketch_key", "threefry2x32", 4),
+        Finish("projected", rank, 0, SketchKey(), "threefry2x32", 4),
         OuterSum(left, right),
         (jax.random.key_data(keys),),
     )
@@ -579,7 +580,7 @@ def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
 
 
 # ---------------------------------------------------------------------------------------
-# A "given_into" mark on a stack that a scan slices: projected layer by layer in the
+# A `GivenInto` mark on a stack that a scan slices: projected layer by layer in the
 # scan's backward pass (`quax_tangents._marks._marked_scan.scan_with_projected_xs`)
 
 
@@ -587,7 +588,7 @@ def _given_into(projectors, totals):
     from quax_tangents._marks._cotangents import bind_mark
     from quax_tangents._marks._projection import Finish
 
-    spec = Finish("projected", R, 0, "given_into")
+    spec = Finish("projected", R, 0, GivenInto())
     return lambda params: {
         name: bind_mark(spec, w, (projectors[name], totals[name]))
         for name, w in params.items()
@@ -662,7 +663,7 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     right = random_array(seed + 1, (*batch, n, 5))
     projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
     total = random_array(seed + 3, (*batch, large, rank))
-    spec = Finish("projected", rank, 0, "given_into")
+    spec = Finish("projected", rank, 0, GivenInto())
     outer = OuterSum(left, right)
     got = quax.quaxify(lambda c: projected_factor(c, projector, total, spec))(outer)
     expected = projected_factor(outer.materialise(), projector, total, spec)
@@ -676,7 +677,7 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     )
     key_data = jnp.broadcast_to(key_data, (*batch, 2))
     sums = random_array(seed + 4, (*batch, small, width))
-    sketch = Finish("projected", rank, 0, "sketch_key_into", "threefry2x32", 4)
+    sketch = Finish("projected", rank, 0, SketchKeyInto(), "threefry2x32", 4)
     got = quax.quaxify(lambda c: projected_factor(c, key_data, sums, sketch))(outer)
     assert_close(got, projected_factor(outer.materialise(), key_data, sums, sketch))
     for is_left in (True, False):
@@ -692,7 +693,7 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
 def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
     # One factor of `w`'s gradient, its output cotangent for every layer (kept as
     # `(N, rows)` per layer), is a stacked `(layers, N, rows)` buffer when the
-    # projection runs after the scan (a "given" mark) and never formed when it runs
+    # projection runs after the scan (a `Given` mark) and never formed when it runs
     # layer by layer. The model is checkpointed per block: the forward pass saves
     # only the `(layers, rows, M)` block inputs.
     batch, rows = (3,), 10
@@ -728,7 +729,7 @@ def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
 def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
     batch, scans_projected
 ):
-    # A "sketch_key_into" mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
+    # A `SketchKeyInto` mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
     # for a tall weight) slice by slice, with each slice's test matrix drawn from its
     # key as the range finder draws it, against the dense gradient.
     from quax_tangents._marks._cotangents import bind_mark
@@ -743,7 +744,7 @@ def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
         "w": random_array(6, (*batch, M, width)),
         "v": random_array(7, (*batch, M, width)),
     }
-    spec = Finish("projected", R, 0, "sketch_key_into", "threefry2x32", 4)
+    spec = Finish("projected", R, 0, SketchKeyInto(), "threefry2x32", 4)
 
     def mark(params):
         return {

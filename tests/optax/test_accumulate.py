@@ -402,6 +402,32 @@ def test_the_layer_by_layer_projection_holds_for_other_forms_of_scan(
     assert_close(grads["up"], expected["up"], factor=5)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: the scan finds its marked stack by the mark's output tracer, "
+    "which a `jax.jit` or `jax.checkpoint` around the scan replaces; the gradient is "
+    "right, but every layer's factors are kept until the scan ends, unannounced",
+)
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+def test_a_scan_inside_a_jit_or_checkpoint_is_projected_layer_by_layer(
+    wrap, scans_projected
+):
+    rng = np.random.default_rng(6)
+    params = {"up": jnp.asarray(rng.standard_normal((3, 6, 9)), jnp.float32) * 0.3}
+    state = qto.projected(optax.scale_by_adam(), rank=RANK).init(params)
+    model = wrap(_SCANS["reverse"])
+    microbatches = jnp.asarray(rng.standard_normal((K, B, 6)), jnp.float32)
+    jax.eval_shape(
+        lambda p, s, mb: qto.accumulate_gradients(
+            lambda p, x: jnp.mean(model(p, x) ** 2), p, s, mb
+        ),
+        params,
+        state,
+        microbatches,
+    )
+    assert scans_projected
+
+
 def test_by_layer_must_be_a_bool():
     params = {"up": jnp.zeros((2, 6, 9))}
     state = qto.projected(optax.scale_by_adam(), rank=RANK).init(params)
