@@ -357,10 +357,11 @@ def _scan(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
     if not _needs_trace(args, jaxpr):
         return jax.lax.scan_p.bind(*args, jaxpr=jaxpr, **params)
     num_consts, num_carry = scan_counts(args, params)
-    if _marked_scan.applies(args, num_consts, num_carry):
-        return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
     if _marked_scan.applies_projected(args, num_consts, num_carry):
         return _marked_scan.scan_with_projected_xs(args, jaxpr, params)
+    _marked_scan.warn_unless_projected(args)
+    if _marked_scan.applies(args, num_consts, num_carry):
+        return _marked_scan.scan_with_marked_consts(args, jaxpr, params)
     consts, carry, xs = unpack_scan_args(args, params)
     xs = [_sliceable(x) for x in xs]
     xs_avals = [sliced_struct(x) for x in jtu.tree_leaves(list(xs))]

@@ -439,9 +439,11 @@ def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
 
 def pushable(x: Any) -> Pushable | None:
     """The mark behind `x`, if `x` is a stacked `GivenInto` (or `SketchKeyInto`)
-    mark as `mark_p` made it (not transposed, cast or viewed
-    since)."""
-    if not isinstance(x, Marked) or x.transposed or x.compute_dtype or x.view:
+    mark as `mark_p` made it, not transposed since. A cast (`w.astype(bfloat16)`, as
+    mixed-precision policies do) and a matrix view (`dims=` on a per-head weight)
+    are kept: the scan slices the stack's layers either way, and the body sees
+    each slice cast or viewed."""
+    if not isinstance(x, Marked) or x.transposed:
         return None
     entry = _state.pushable.get(id(x.array))
     if entry is None or entry.marked_output is not x.array:
@@ -457,6 +459,13 @@ _ONE_SCAN = (
     "model that uses it more than once: the same result, with each layer's factors "
     "kept until the scan ends."
 )
+
+
+class LayerByLayerWarning(UserWarning):
+    """Warned when `quax_tangents.optax.accumulate_gradients(by_layer=True)` finds a
+    `lax.scan` over (or closing over) a stacked projected weight that it cannot
+    project layer by layer: the result is the same, but every layer's factors are
+    kept until the scan ends."""
 
 
 def projected_by_scan(entry: Pushable) -> None:
@@ -503,4 +512,4 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
         return Marked(_finished(spec, w, *operands), spec.kind, False)
     array = _finished(tagged, w, *operands)
     _state.pushable[id(array)] = Pushable(array, w, operands[0], operands[1], tagged)
-    return Marked(array, spec.kind, False)
+    return Marked(array, spec.kind, False, by_layer=True)

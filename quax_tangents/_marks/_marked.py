@@ -48,6 +48,11 @@ class Marked(quax.ArrayValue):
     transposed: bool = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True, default=None)
     view: tuple | None = eqx.field(static=True, default=None)
+    # A stacked mark that a scan over the stack should project layer by layer
+    # (`accumulate_gradients(by_layer=True)`); static, so that it survives the
+    # `jax.jit`s and `jax.checkpoint`s that a scan may sit in, where a scan that
+    # cannot project it says so (`_marked_scan.warn_unless_projected`).
+    by_layer: bool = eqx.field(static=True, default=False)
 
     def aval(self) -> jax.core.ShapedArray:
         if self.view is None and (not self.transposed or self.array.ndim == 2):
@@ -76,6 +81,7 @@ class Marked(quax.ArrayValue):
             transposed=self.transposed,
             compute_dtype=self.compute_dtype,
             view=self.view,
+            by_layer=self.by_layer,
         )
         return Marked(**{**fields, **changes})
 
@@ -86,6 +92,7 @@ class Marked(quax.ArrayValue):
             transposed=self.transposed,
             compute_dtype=self.compute_dtype,
             view=self.view,
+            by_layer=self.by_layer,
         )
 
     @staticmethod

@@ -17,6 +17,7 @@ Cost: the body runs twice (as under `jax.checkpoint`), and the input carry of ev
 iteration is stored.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -263,6 +264,30 @@ def applies_projected(args: Sequence[Any], num_consts: int, num_carry: int) -> b
     )
 
 
+def warn_unless_projected(args: Sequence[Any]) -> None:
+    """Warns for each stacked mark among a scan's operands that the scan is not
+    projecting layer by layer (`Marked.by_layer`)."""
+    for x in args:
+        if isinstance(x, Marked) and x.by_layer:
+            warnings.warn(
+                "`accumulate_gradients(by_layer=True)`: a `lax.scan` uses the stacked "
+                f"projected weight of shape {x.shape} but cannot project its gradient "
+                "layer by layer, so every layer's factors are kept until the scan "
+                "ends (the same result, more memory). That needs the scan to take "
+                "the marked stack itself as its `xs`: not through a `jax.jit` or "
+                "`jax.checkpoint` around the scan (checkpoint the scan's body "
+                "instead), nor closed over by an outer scan, nor transposed before "
+                "the scan. Pass `by_layer=False` to "
+                "`accumulate_gradients` if this is intended.",
+                _cotangents.LayerByLayerWarning,
+                stacklevel=2,
+            )
+
+
+def _slice_meta(meta: dict | None) -> dict | None:
+    return None if meta is None else {**meta, "by_layer": False}
+
+
 def scan_with_projected_xs(
     args: Sequence[Any], jaxpr: Any, params: dict[str, Any]
 ) -> list[Any]:
@@ -273,7 +298,11 @@ def scan_with_projected_xs(
     for entry in entries:
         if entry is not None:
             _cotangents.projected_by_scan(entry)
-    metas = [_meta(a) if e is not None else None for a, e in zip(args, entries)]
+    # Each layer's slice is this scan's to project: a scan inside the body over the
+    # slice (a stack with two batch dims) has nothing more to project, nor to warn.
+    metas = [
+        _slice_meta(_meta(a)) if e is not None else None for a, e in zip(args, entries)
+    ]
     # The weight before the mark: its cotangent is what the backward pass gives.
     arrays = [a if e is None else e.weight for a, e in zip(args, entries)]
     pushed = [i for i, e in enumerate(entries) if e is not None]
@@ -285,7 +314,9 @@ def scan_with_projected_xs(
     )
 
     def forward(arrays: Sequence[Any], keep_carries: bool) -> Any:
-        consts, carry, xs = arrays[:nc], arrays[nc : nc + nk], arrays[nc + nk :]
+        # A stack that `dims=` views as other matrices is the body's stored shape.
+        dense = [_dense_view(a, m) for a, m in zip(arrays, metas)]
+        consts, carry, xs = dense[:nc], dense[nc : nc + nk], dense[nc + nk :]
 
         def step(carry: list, x: list) -> tuple:
             outs = body(*consts, *carry, *x)

@@ -41,6 +41,7 @@ if importlib.util.find_spec("optax") is None:
 
 # ruff: noqa: E402
 from .._core._deprecation import Alias as _Alias, resolve_alias as _resolve_alias
+from .._marks._cotangents import LayerByLayerWarning as LayerByLayerWarning
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._compress import (
@@ -68,6 +69,7 @@ from ._specs import partition_specs as partition_specs
 __all__ = [
     "CompressState",
     "GaLore",
+    "LayerByLayerWarning",
     "LogQuantized",
     "PowerSGDState",
     "ProjectedState",
