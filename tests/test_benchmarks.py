@@ -183,9 +183,9 @@ def test_by_layer_benchmark_quick(tmp_path):
     text = _run_quick("bench_by_layer.py", tmp_path / "by_layer.md")
     for layout in ("matrices", "per-head", "jit around the scan"):
         assert f"| {layout} |" in text
-    # Behind the jit, `by_layer` changes nothing: the same program either way.
+    # Inside an outer scan, `by_layer` changes nothing: the same program either way.
     assert re.search(
-        r"\| jit around the scan \| ([0-9.]+) MiB \| \1 MiB \| 1\.00 \|", text
+        r"\| inside an outer scan \| ([0-9.]+) MiB \| \1 MiB \| 1\.00 \|", text
     )
 
 

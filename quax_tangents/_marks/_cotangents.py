@@ -302,8 +302,8 @@ class _NeedsInnerLayer(Exception):
 class _State(threading.local):
     def __init__(self) -> None:
         self.mode: str | None = None  # None, "probe" or "inner"
-        # Marks a scan may project layer by layer (by the id of the mark's output),
-        # and the tokens of those it did (see `Pushable`).
+        # Marks a scan may project layer by layer, and the tokens of those it did,
+        # by token (see `Pushable`).
         self.pushable: dict[int, Pushable] = {}
         self.projected_by_scan: set[int] = set()
 
@@ -443,10 +443,10 @@ def pushable(x: Any) -> Pushable | None:
     mixed-precision policies do) and a matrix view (`dims=` on a per-head weight)
     are kept: the scan slices the stack's layers either way, and the body sees
     each slice cast or viewed."""
-    if not isinstance(x, Marked) or x.transposed:
+    if not isinstance(x, Marked) or x.transposed or not x.token:
         return None
-    entry = _state.pushable.get(id(x.array))
-    if entry is None or entry.marked_output is not x.array:
+    entry = _state.pushable.get(x.token)
+    if entry is None or jax.typeof(x.array) != jax.typeof(entry.marked_output):
         return None
     return entry
 
@@ -511,5 +511,6 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
     if tagged is None:
         return Marked(_finished(spec, w, *operands), spec.kind, False)
     array = _finished(tagged, w, *operands)
-    _state.pushable[id(array)] = Pushable(array, w, operands[0], operands[1], tagged)
-    return Marked(array, spec.kind, False, by_layer=True)
+    token = tagged.token
+    _state.pushable[token] = Pushable(array, w, operands[0], operands[1], tagged)
+    return Marked(array, spec.kind, False, by_layer=True, token=token)

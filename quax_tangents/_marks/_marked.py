@@ -53,6 +53,12 @@ class Marked(quax.ArrayValue):
     # `jax.jit`s and `jax.checkpoint`s that a scan may sit in, where a scan that
     # cannot project it says so (`_marked_scan.warn_unless_projected`).
     by_layer: bool = eqx.field(static=True, default=False)
+    # The token of that mark (`Finish.token`) while `array` is the mark's own output,
+    # or its image in a `jax.jit` or `jax.checkpoint` (which rebuild the value from
+    # its leaves and statics): how the scan finds the mark it projects
+    # (`_cotangents.pushable`). A new `array` (`replace`) and a slice of one
+    # (`statics`) do not keep it.
+    token: int = eqx.field(static=True, default=0)
 
     def aval(self) -> jax.core.ShapedArray:
         if self.view is None and (not self.transposed or self.array.ndim == 2):
@@ -82,11 +88,13 @@ class Marked(quax.ArrayValue):
             compute_dtype=self.compute_dtype,
             view=self.view,
             by_layer=self.by_layer,
+            token=0 if "array" in changes else self.token,
         )
         return Marked(**{**fields, **changes})
 
     def statics(self) -> dict[str, Any]:
-        """Everything but `array`: `Marked(array, **statics)` rebuilds it."""
+        """Everything but `array` and `token`: `Marked(array, **statics)` rebuilds
+        it for another array (a slice of it, say)."""
         return dict(
             kind=self.kind,
             transposed=self.transposed,

@@ -274,11 +274,9 @@ def warn_unless_projected(args: Sequence[Any]) -> None:
                 f"projected weight of shape {x.shape} but cannot project its gradient "
                 "layer by layer, so every layer's factors are kept until the scan "
                 "ends (the same result, more memory). That needs the scan to take "
-                "the marked stack itself as its `xs`: not through a `jax.jit` or "
-                "`jax.checkpoint` around the scan (checkpoint the scan's body "
-                "instead), nor closed over by an outer scan, nor transposed before "
-                "the scan. Pass `by_layer=False` to "
-                "`accumulate_gradients` if this is intended.",
+                "the marked stack itself as its `xs` (cast or viewed by `dims=`, "
+                "not transposed), not closed over by an outer scan. Pass "
+                "`by_layer=False` to `accumulate_gradients` if this is intended.",
                 _cotangents.LayerByLayerWarning,
                 stacklevel=2,
             )

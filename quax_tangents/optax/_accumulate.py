@@ -469,11 +469,11 @@ def accumulate_gradients(
         scan's backward pass, written into the running sum, so that one layer's
         factors are alive at a time. It needs the stack to be used in exactly one
         scan and nowhere else (a `ValueError` says so otherwise), taken as the
-        scan's `xs` directly. A scan that uses the stack but cannot project it so
-        (one inside a `jax.jit` or `jax.checkpoint` around the scan, or an outer
-        scan closing over the stack) warns a
-        [`quax_tangents.optax.LayerByLayerWarning`][]; a Python loop over the
-        layers does not. `False` keeps every layer's factors until the scan ends,
+        scan's `xs` (cast, viewed by `dims=`, or inside a `jax.jit` or
+        `jax.checkpoint` as it may be). A scan that uses the stack but cannot
+        project it so (the stack transposed before the scan, or closed over by an
+        outer scan) warns a [`quax_tangents.optax.LayerByLayerWarning`][]; a Python
+        loop over the layers does not. `False` keeps every layer's factors until the scan ends,
         for any use, with the same result, and does not warn.
     - `shardings`: under `jax.jit` with sharded parameters (FSDP), the parameters'
         `jax.sharding.NamedSharding`s, with the structure of `params` (a leaf may be
