@@ -26,9 +26,8 @@ every step does: `4 + 2 * iters` passes.
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -43,22 +42,15 @@ from .._core._sharding import (
     top_left_singular,
 )
 from .._core._unchecked import unchecked
-from .._marks._cotangents import (
-    bind_mark,
-    projected_cotangent,
-    sparse_rows_cotangent,
-)
-from .._marks._projection import Finish
-from .._marks._sources import GivenInto, Sketch, SketchKey, SketchKeyInto
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
-from ._mark import flatten_as, in_matrix_view, leaf_keys, plan_leaves
+from ._mark import flatten_as, leaf_keys, plan_leaves
+from ._passes import DrawnSketch, GivenProjector, GivenSketch, Mode, mark_leaf
 from ._projected import find_state
 
 
-_OVERSAMPLE = Finish("projected").oversample
 _WHERE = "`quax_tangents.optax.accumulate_gradients`"
 
 
@@ -133,94 +125,8 @@ def _truncate(q: Array, q_extra: Array, b: Array, b_extra: Array, rank: int) -> 
 # One pass over the microbatches
 
 
-class _GivenProjector(eqx.Module):
-    """A pass that projects with the projectors `matrix`: each mark adds its
-    microbatch's `G^T P` (or `G Q`) into the running sum."""
-
-    matrix: Array
-    sketch: ClassVar[bool] = False
-    into: ClassVar[bool] = True
-
-    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
-        given = self.matrix.astype(leaf.dtype)
-        width = self.matrix.shape[-1]
-        if total is None:
-            return in_matrix_view(
-                leaf, plan, lambda w: projected_cotangent(w, width, projector=given)
-            )
-        # The mark adds this microbatch's factor to the running sum in place.
-        spec = Finish(
-            "projected", width, 0, GivenInto(), by_layer=by_layer, layout=layout
-        )
-        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, (given, total)))
-
-
-class _DrawnSketch(eqx.Module):
-    """A pass that sketches each matrix with test matrices drawn from `keys`, one
-    slice at a time inside the model's pass; each mark adds its microbatch's `G Ω`
-    into the running sum."""
-
-    keys: Array
-    key_impl: str = eqx.field(static=True)
-    sketch: ClassVar[bool] = True
-    into: ClassVar[bool] = True
-
-    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
-        if total is None:
-            spec = Finish(
-                "projected", plan.rank, 0, SketchKey(), self.key_impl, _OVERSAMPLE
-            )
-            operands: tuple = (self.keys,)
-        else:
-            # In place, slice by slice, when the model scans over the stack.
-            spec = Finish(
-                "projected",
-                plan.rank,
-                0,
-                SketchKeyInto(),
-                self.key_impl,
-                _OVERSAMPLE,
-                by_layer=by_layer,
-                layout=layout,
-            )
-            operands = (self.keys, total)
-        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, operands))
-
-
-class _GivenSketch(eqx.Module):
-    """A pass that sketches each matrix with the test matrices `tests` (a power
-    iteration's); the microbatches' sketches are summed after the pass."""
-
-    tests: Array
-    sketch: ClassVar[bool] = True
-    into: ClassVar[bool] = False
-
-    def mark(self, leaf: Any, plan: LeafPlan, total: Any, by_layer: bool, layout: Any):
-        spec = Finish("projected", self.tests.shape[-1], 0, Sketch())
-        return in_matrix_view(leaf, plan, lambda w: bind_mark(spec, w, (self.tests,)))
-
-
-_Mode = _GivenProjector | _DrawnSketch | _GivenSketch
-
-
-def _marked(
-    leaf: Any,
-    plan: LeafPlan | None,
-    mode: _Mode | None,
-    total: Any = None,
-    by_layer: bool = True,
-    layout: Any = None,
-) -> Any:
-    if plan is None or leaf is None:
-        return leaf
-    if plan.kind == "rows":
-        return sparse_rows_cotangent(leaf)
-    assert mode is not None  # a projected leaf always has a mode
-    return mode.mark(leaf, plan, total, by_layer, layout)
-
-
 def _contribution(
-    grad: Any, plan: LeafPlan | None, mode: "_Mode | None", path: str
+    grad: Any, plan: LeafPlan | None, mode: "Mode | None", path: str
 ) -> Any:
     """What one microbatch adds to the accumulator of one leaf."""
     if grad is None:
@@ -277,7 +183,7 @@ def _pass(
     def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
         marked = [
-            _marked(x, p, m, t, by_layer, layout(i, t))
+            mark_leaf(x, p, m, t, by_layer, layout(i, t))
             for i, (x, p, m, t) in enumerate(zip(leaves, plans, modes, totals))
         ]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
@@ -522,7 +428,7 @@ def accumulate_gradients(
         )
 
     def given(matrices: list) -> list:
-        return [None if q is None else _GivenProjector(q) for q in matrices]
+        return [None if q is None else GivenProjector(q) for q in matrices]
 
     def layout_of(i: int, x: Any, projector_side: bool) -> Any:
         return _layout(layouts[i], plans[i], x, projector_side)
@@ -531,7 +437,7 @@ def accumulate_gradients(
         """The new projectors of a refresh step, written over `projectors`."""
         # Each slice's test matrix is drawn inside the model's pass, from its key.
         first = [
-            _DrawnSketch(_test_keys(plans[i], key_of[i]), key_impl)
+            DrawnSketch(_test_keys(plans[i], key_of[i]), key_impl)
             if i in key_of
             else None
             for i in range(len(plans))
@@ -547,7 +453,7 @@ def accumulate_gradients(
             ]
 
         def sketch(tests: list) -> list:
-            return [None if o is None else _GivenSketch(o) for o in tests]
+            return [None if o is None else GivenSketch(o) for o in tests]
 
         bases = orthonormal(run(first)[2])
         for _ in range(iters):
