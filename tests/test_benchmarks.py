@@ -190,6 +190,14 @@ def test_by_layer_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_eigh_benchmark_quick(tmp_path):
+    text = _run_quick("bench_eigh.py", tmp_path / "eigh.md")
+    assert "bench_eigh.py --quick --out" in text
+    rows = re.findall(r"^\| (\d+) \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)
+    assert rows == ["132", "257"], text
+
+
+@pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
     text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
     assert "bench_transformer.py --quick --out" in text

@@ -4,5 +4,6 @@ rule registry (`_registry`), input checks (`_validate`), rule outputs built with
 checks (`_unchecked`), the guard leaf against leafwise arithmetic (`_guard`), small
 helpers for rules (`_lax`), and the helpers every layer uses on meshes, which import
 no compressed type: named-axis operations (`_devices`), sharding types and linear
-algebra on explicitly sharded operands (`_sharding`), and layouts of sharded buffers
+algebra on explicitly sharded operands (`_sharding`), its eigendecomposition with a
+TPU lowering that compiles quickly (`_eigh`), and layouts of sharded buffers
 (`_layout`)."""

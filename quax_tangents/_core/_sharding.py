@@ -24,6 +24,8 @@ from jax.scipy.linalg import solve_triangular
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
+from ._eigh import symmetric_eigh
+
 
 def explicit_axes() -> bool:
     """Whether the current mesh has an `Explicit` axis (shardings are types)."""
@@ -252,7 +254,7 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
     r = jnp.linalg.cholesky(g + shift * eye).T
     q = matmul(q, solve_triangular(r, eye, lower=False))
     for _ in range(2):
-        lam, v = jnp.linalg.eigh(gram(q))
+        lam, v = symmetric_eigh(gram(q))
         keep = lam > (10 * w * eps) * jnp.max(lam)
         scale = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, lam, 1)), 0)
         q = matmul(q, v * scale)
@@ -272,5 +274,5 @@ def top_left_singular(b: Float[Array, "w n"], rank: int) -> Float[Array, "w rank
     may be sharded: eigenvectors of the replicated `b b^T`, largest first. They are
     orthonormal whatever the conditioning (only their order and the split of nearly
     equal singular values depend on it)."""
-    _, v = jnp.linalg.eigh(gram(b.T))
+    _, v = symmetric_eigh(gram(b.T))
     return v[:, ::-1][:, :rank]
