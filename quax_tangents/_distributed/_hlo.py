@@ -64,9 +64,10 @@ class Collective:
         all-reduce sends and receives about twice it).
     - `count`: how many times it runs per call of the program: the product of the
         trip counts of the `while` loops (`lax.scan`, `fori_loop`) around it, `1`
-        outside loops. `None` when a loop around it has no trip count that XLA
-        knows (a `while_loop` with a data-dependent condition, or a program read
-        before XLA's passes, which is when XLA works trip counts out):
+        outside loops: the count XLA:CPU annotates, or else the one the loop's
+        counter shows (a TPU compile annotates none, nor does a program read before
+        XLA's passes). `None` when a loop around it has neither (a `while_loop`
+        with a data-dependent condition):
         [`quax_tangents.hlo.received_bytes`][] then refuses to give a per-step figure
         rather than guess one. A branch of a `cond` counts as running every time its
         `cond` does (an upper bound).
@@ -175,17 +176,24 @@ def _computation_header(line: str) -> tuple[bool, str] | None:
 
 
 def _callees(
-    line: str, unknown_trips: int | None, branch: int | None = None
+    line: str,
+    unknown_trips: int | None,
+    branch: int | None = None,
+    counter: "_Counter | None" = None,
 ) -> list[tuple[str, int | None]]:
     """The computations an instruction line calls, each with how many times it runs
-    per run of the instruction (`unknown_trips` for a loop whose trip count XLA does
-    not know; for a conditional, 1 for every branch, or with `branch` 1 for that
-    branch and 0 for the others)."""
+    per run of the instruction (for a loop, the trip count XLA annotates, or else the
+    one its counter shows (`_Counter`), or else `unknown_trips`; for a conditional, 1
+    for every branch, or with `branch` 1 for that branch and 0 for the others)."""
     match = _INSTRUCTION.match(line)
     call = _split_shape(match.group(2).strip())[1] if match else ""
     if call.startswith("while("):
         trip = _TRIP_COUNT.search(line)
-        trips = int(trip.group(1)) if trip else unknown_trips
+        trips = int(trip.group(1)) if trip else None
+        if trips is None and counter is not None:
+            trips = counter.trips(call)
+        if trips is None:
+            trips = unknown_trips
         return [(str(name), trips) for _, name in _WHILE_PARTS.findall(line)]
     if call.startswith("conditional(") and branch is not None:
         listed = _CALLEE_LIST.search(line)
@@ -202,6 +210,92 @@ def _callees(
     return found
 
 
+_GET_ELEMENT = re.compile(r"^get-tuple-element\(%?[\w.\-]+\), index=(\d+)")
+_CONSTANT = re.compile(r"^constant\((-?\d+)\)")
+
+
+class _Counter:
+    """Trip counts of `while` loops that XLA does not annotate, read from the loop's
+    own counter. A TPU compile annotates none (XLA:CPU writes `known_trip_count`),
+    and a program read before XLA's passes has none yet; a `lax.scan` or
+    `lax.fori_loop` still shows its count as a counter: the condition's root is
+    `compare(get-tuple-element(param, k), constant(N)), direction=LT`, the loop's
+    initial tuple holds `constant(S)` at `k`, and the body's root tuple holds
+    `add(get-tuple-element(param, k), constant(c))` there, maybe through copies and
+    bitcasts (`c` is 1, or the stride of a loop XLA rewrote, such as the TPU's
+    windowed matmuls). Such a loop runs `ceil((N - S) / c)` times, at least 0; any
+    other loop (a `lax.while_loop` on a traced condition) has no count here."""
+
+    def __init__(self, hlo: str):
+        self.definitions: dict[str, str] = {}
+        self.roots: dict[str, str] = {}
+        current = None
+        for line in hlo.splitlines():
+            line = _COMMENT.sub("", line)
+            header = _computation_header(line)
+            if header is not None:
+                current = header[1]
+                continue
+            match = _INSTRUCTION.match(line)
+            if match is None or line.lstrip().startswith("HloModule"):
+                continue
+            name, rhs = match.groups()
+            call = _split_shape(rhs.strip())[1]
+            self.definitions[name] = call
+            if line.lstrip().startswith("ROOT") and current is not None:
+                self.roots[current] = call
+
+    def _resolved(self, name: str) -> str:
+        """The definition of `name`, seen through copies and bitcasts."""
+        call = self.definitions.get(name, "")
+        for _ in range(16):
+            opcode = call.split("(", 1)[0]
+            if opcode not in ("copy", "bitcast", "convert") or "(" not in call:
+                break
+            call = self.definitions.get(_operand_names(call)[0], "")
+        return call
+
+    def _constant(self, name: str) -> int | None:
+        match = _CONSTANT.match(self._resolved(name))
+        return int(match.group(1)) if match else None
+
+    def _element(self, name: str) -> int | None:
+        match = _GET_ELEMENT.match(self._resolved(name))
+        return int(match.group(1)) if match else None
+
+    def trips(self, call: str) -> int | None:
+        """The trip count of the `while(...)` instruction `call`, or None."""
+        parts = dict((kind, name) for kind, name in _WHILE_PARTS.findall(call))
+        condition = self.roots.get(parts.get("condition", ""), "")
+        body = self.roots.get(parts.get("body", ""), "")
+        if not condition.startswith("compare(") or not body.startswith("tuple("):
+            return None
+        left, right = _operand_names(condition)[:2]
+        if "direction=LT" in condition:
+            index, bound = self._element(left), self._constant(right)
+        elif "direction=GT" in condition:
+            index, bound = self._element(right), self._constant(left)
+        else:
+            return None
+        start_tuple = self._resolved(_operand_names(call)[0])
+        if index is None or bound is None or not start_tuple.startswith("tuple("):
+            return None
+        starts, steps = _operand_names(start_tuple), _operand_names(body)
+        if index >= min(len(starts), len(steps)):
+            return None
+        start = self._constant(starts[index])
+        step = self._resolved(steps[index])
+        if start is None or not step.startswith("add("):
+            return None
+        a, b = _operand_names(step)[:2]
+        if self._element(a) != index:
+            a, b = b, a
+        stride = self._constant(b)
+        if self._element(a) != index or stride is None or stride < 1:
+            return None
+        return max(-(-(bound - start) // stride), 0)
+
+
 def computation_counts(
     hlo: str, unknown_trips: int | None = None, branch: int | None = None
 ) -> dict[str, int | None]:
@@ -212,6 +306,7 @@ def computation_counts(
     if the text has no `ENTRY` computation."""
     edges: dict[str, list[tuple[str, int | None]]] = {}
     entry = current = None
+    counter = _Counter(hlo)
     for line in hlo.splitlines():
         line = _COMMENT.sub("", line)
         header = _computation_header(line)
@@ -220,7 +315,7 @@ def computation_counts(
             edges[current] = []
             entry = current if is_entry else entry
         elif current is not None and _INSTRUCTION.match(line):
-            edges[current] += _callees(line, unknown_trips, branch)
+            edges[current] += _callees(line, unknown_trips, branch, counter)
     if entry is None:
         return {}
     order: list[str] = []  # Callers before callees: reversed depth-first post-order.
@@ -259,9 +354,9 @@ def collectives(
 
     An instruction inside a loop (a `lax.scan` body) is listed once, with how many
     times it runs per call as its `count`: the product of the trip counts of the
-    loops around it (`None` if one of them is unknown, as it is in a `Lowered`
-    program, read before XLA works trip counts out, or for a `lax.while_loop` on a
-    traced condition, unless `unknown_trips` is given).
+    loops around it, as XLA annotates them or as their counters show (`None` if
+    one of them is unknown, as it is for a `lax.while_loop` on a traced condition,
+    unless `unknown_trips` is given).
 
     **Arguments:**
 

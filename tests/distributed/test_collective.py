@@ -7,6 +7,7 @@ starts, so `tests/conftest.py` asks XLA for 8 before it does.
 
 import functools as ft
 import pathlib
+import re
 import warnings
 
 import jax
@@ -763,15 +764,70 @@ def test_compiled_scan_counts_its_psum_per_iteration():
     assert [(c.operand_bytes, c.count) for c in compiled] == [(4 * width, length)]
     per_call = sum(qt.hlo.received_bytes(c, DEVICES) for c in compiled)
     assert per_call == pytest.approx(length * 2 * (DEVICES - 1) / DEVICES * 4 * width)
-    # Read before XLA's passes, the loop's trip count is not known yet.
+    # Read before XLA's passes, which annotate trip counts, the scan's count is the
+    # one its counter shows, as it is in a TPU compile (which annotates none).
     lowered = qt.hlo.collectives(step.lower(xs))
-    assert [c.count for c in lowered if c.kind == "all-reduce"] == [None]
-    with pytest.raises(ValueError, match="trip count"):
-        qt.hlo.received_bytes(lowered[0], DEVICES)
-    bounded = qt.hlo.collectives(step.lower(xs), unknown_trips=length)
-    assert [c.count for c in bounded if c.kind == "all-reduce"] == [length]
+    assert [c.count for c in lowered if c.kind == "all-reduce"] == [length]
     with pytest.raises(ValueError, match="unknown_trips"):
         qt.hlo.collectives(step.lower(xs), unknown_trips=-1)
+
+
+def _strip_trip_counts(hlo: str) -> str:
+    return re.sub(r', backend_config=\{"known_trip_count":\{"n":"\d+"\}[^\n]*', "", hlo)
+
+
+@needs_devices
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_trip_counts_from_loop_counters_match_xlas(unroll):
+    # The counts read from the loops' counters, with XLA:CPU's annotations taken
+    # out of the text (a TPU compile has none), equal the annotated ones: nested
+    # scans over layers and microbatches, one unrolled (a stride of 2).
+    def body(xs):
+        def layer(carry, _):
+            return carry + lax.psum(carry, AXIS), None
+
+        def microbatch(carry, _):
+            return lax.scan(layer, carry, None, length=3, unroll=unroll)[0], None
+
+        return lax.scan(microbatch, xs, None, length=4)[0]
+
+    step = on_mesh(body, P(AXIS), P(AXIS))
+    xs = split(np.ones((DEVICES, 8), np.float32))
+    hlo = step.lower(xs).compile().as_text()
+    assert "known_trip_count" in hlo
+    annotated = [c.count for c in collectives_in_hlo(hlo)]
+    assert annotated and all(count is not None for count in annotated)
+    assert [c.count for c in collectives_in_hlo(_strip_trip_counts(hlo))] == annotated
+
+
+@needs_devices
+def test_a_while_loop_on_a_traced_condition_has_no_count():
+    def body(x):
+        def cond(state):
+            return state[1] < 1e3
+
+        def grow(state):
+            y, total = state
+            y = lax.psum(y, AXIS) / 2
+            return y, total + jnp.sum(y)
+
+        start = lax.psum(x, AXIS)  # invariant over the axis, as the loop's carry is
+        return lax.while_loop(cond, grow, (start, jnp.zeros([])))[1]
+
+    step = on_mesh(body, P(AXIS), P())
+    xs = split(np.ones((DEVICES, 8), np.float32))
+    # The psum before the loop runs once; the one in it an unknown number of times.
+    counts = sorted(
+        (c.count is None, c.count)
+        for c in qt.hlo.collectives(step, xs)
+        if c.kind == "all-reduce"
+    )
+    assert counts == [(False, 1), (True, None)]
+    inside = [c for c in qt.hlo.collectives(step, xs) if c.count is None]
+    with pytest.raises(ValueError, match="trip count"):
+        qt.hlo.received_bytes(inside[0], DEVICES)
+    bounded = qt.hlo.collectives(step, xs, unknown_trips=7)
+    assert sorted(c.count for c in bounded if c.kind == "all-reduce") == [1, 7]
 
 
 # ---------------------------------------------------------------------------------
