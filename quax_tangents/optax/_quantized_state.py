@@ -123,41 +123,61 @@ def _blocks(x: Array, block: int) -> Array:
     return x.reshape(*x.shape[:-1], count, block)
 
 
-def _level(u: Array, octaves: float, levels: int, noise: Array | None) -> Array:
-    """The level `1..levels` of magnitudes `u` in `(0, 1]` relative to the block's
-    largest, or 0 where `u` rounds to zero. Level `j` stands for
-    `2**(-octaves (levels - j) / (levels - 1))`."""
-    step = octaves / (levels - 1)
-    position = levels + jnp.log2(jnp.maximum(u, 1e-38)) / step
-    if noise is None:
-        level = jnp.round(position)
-        smallest = 2.0**-octaves
-        level = jnp.where(u < smallest / 2, 0.0, level)
-        return jnp.clip(level, 0, levels)
-    # Between the levels below and above, up with the probability that keeps the
-    # decoded value unbiased; below the smallest level, between it and zero.
-    below = jnp.clip(jnp.floor(position), 0, levels)
-    low = jnp.where(below < 1, 0.0, _magnitude(below, octaves, levels))
-    high = _magnitude(jnp.maximum(below + 1, 1), octaves, levels)
-    up = noise < (u - low) / (high - low)
-    return jnp.clip(jnp.where(up, jnp.maximum(below + 1, 1), below), 0, levels)
+class _Code(NamedTuple):
+    """Per block, the parameters of its kind of code (each broadcast over the
+    block's elements): the octaves per level `step`, the number of non-zero
+    `levels`, and the magnitude below which a value rounds to zero."""
+
+    step: Array
+    levels: Array
+    smallest: Array
+
+    @classmethod
+    def of(cls, signed: Array) -> "_Code":
+        # Python floats, so that the float32 constants are those of one kind alone.
+        step = jnp.where(
+            signed,
+            _SIGNED_OCTAVES / (_SIGNED_LEVELS - 1),
+            _UNSIGNED_OCTAVES / (_UNSIGNED_LEVELS - 1),
+        )
+        levels = jnp.where(signed, float(_SIGNED_LEVELS), float(_UNSIGNED_LEVELS))
+        smallest = jnp.where(signed, 2.0**-_SIGNED_OCTAVES, 2.0**-_UNSIGNED_OCTAVES)
+        return cls(step, levels, smallest)
+
+    def magnitude(self, level: Array) -> Array:
+        """The magnitude, relative to the block's largest, of `level`."""
+        return jnp.where(level < 1, 0.0, jnp.exp2(-self.step * (self.levels - level)))
+
+    def level(self, u: Array, noise: Array | None) -> Array:
+        """The level `1..levels` of magnitudes `u` in `(0, 1]` relative to the
+        block's largest, or 0 where `u` rounds to zero. Level `j` stands for
+        `2**(-step (levels - j))`."""
+        position = self.levels + jnp.log2(jnp.maximum(u, 1e-38)) / self.step
+        if noise is None:
+            level = jnp.round(position)
+            level = jnp.where(u < self.smallest / 2, 0.0, level)
+            return jnp.clip(level, 0, self.levels)
+        # Between the levels below and above, up with the probability that keeps
+        # the decoded value unbiased; below the smallest level, between it and zero.
+        below = jnp.clip(jnp.floor(position), 0, self.levels)
+        low = jnp.where(below < 1, 0.0, self.magnitude(below))
+        high = self.magnitude(jnp.maximum(below + 1, 1))
+        up = noise < (u - low) / (high - low)
+        return jnp.clip(jnp.where(up, jnp.maximum(below + 1, 1), below), 0, self.levels)
 
 
-def _magnitude(level: Array, octaves: float, levels: int) -> Array:
-    step = octaves / (levels - 1)
-    return jnp.where(level < 1, 0.0, jnp.exp2(-step * (levels - level)))
-
-
-# Jitted so that eager use compiles one kernel per shape instead of one per op.
+# Jitted so that eager use compiles one kernel per shape instead of one per op. One
+# code per block, its kind chosen per block: each element is leveled once (an
+# earlier form computed both kinds' levels of every element and chose after, twice
+# the program).
 @jax.jit
 def _encode(blocks: Array, noise: Array | None) -> tuple[Array, Array]:
     largest = jnp.max(jnp.abs(blocks), axis=-1)
     signed = jnp.any(blocks < 0, axis=-1)
     u = jnp.abs(blocks) / jnp.where(largest > 0, largest, 1.0)[..., None]
-    unsigned_code = _level(u, _UNSIGNED_OCTAVES, _UNSIGNED_LEVELS, noise)
-    signed_level = _level(u, _SIGNED_OCTAVES, _SIGNED_LEVELS, noise)
-    signed_code = _SIGNED_ZERO + jnp.where(blocks < 0, -signed_level, signed_level)
-    codes = jnp.where(signed[..., None], signed_code, unsigned_code)
+    level = _Code.of(signed[..., None]).level(u, noise)
+    signed_code = _SIGNED_ZERO + jnp.where(blocks < 0, -level, level)
+    codes = jnp.where(signed[..., None], signed_code, level)
     scales = jnp.where(signed, -largest, largest)
     return codes.astype(jnp.uint8), scales
 
@@ -165,12 +185,11 @@ def _encode(blocks: Array, noise: Array | None) -> tuple[Array, Array]:
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _decode(codes: Array, scales: Array, shape: tuple[int, ...], dtype: Any) -> Array:
     k = codes.astype(jnp.float32)
-    unsigned = _magnitude(k, _UNSIGNED_OCTAVES, _UNSIGNED_LEVELS)
+    signed = (scales < 0)[..., None]
     c = k - _SIGNED_ZERO
-    signed = jnp.sign(c) * _magnitude(jnp.abs(c), _SIGNED_OCTAVES, _SIGNED_LEVELS)
-    values = (
-        jnp.where(scales[..., None] < 0, signed, unsigned) * jnp.abs(scales)[..., None]
-    )
+    magnitude = _Code.of(signed).magnitude(jnp.where(signed, jnp.abs(c), k))
+    values = jnp.where(signed, jnp.sign(c) * magnitude, magnitude)
+    values = values * jnp.abs(scales)[..., None]
     values = values.reshape(*values.shape[:-2], -1)[..., : shape[-1]]
     return values.astype(dtype)
 
