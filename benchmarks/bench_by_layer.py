@@ -37,12 +37,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from _report import add_out_argument, default_out, environment, produced_by
+from _targets import TARGETS, target_devices
 
 import quax_tangents.optax as qto
 
 
-# One chip of each TPU topology (`jax.experimental.topologies`, no TPU attached).
-TARGETS = {"cpu": None, "tpu-v5e": "v5e:2x2", "tpu-v5p": "v5p:2x2x1"}
 LAYOUTS = ("matrices", "per-head", "jit around the scan", "inside an outer scan")
 MICROBATCHES = 4
 
@@ -140,17 +139,6 @@ def temp_bytes(shape: Shape, layout: str, by_layer: bool, devices: list) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def _devices(target: str) -> list:
-    if TARGETS[target] is None:
-        return jax.devices()
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=TARGETS[target]
-    )
-    return list(topology.devices)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", choices=sorted(TARGETS), default="cpu")
@@ -159,7 +147,7 @@ def main() -> None:
     add_out_argument(parser, __file__)
     args = parser.parse_args()
     shape = QUICK if args.quick else SHAPES[args.shape]
-    devices = _devices(args.target)
+    devices = target_devices(args.target)
     rows = []
     start = time.perf_counter()
     for layout in LAYOUTS:

@@ -49,18 +49,11 @@ To estimate another model, import the script's folder and call `estimate`:
 import os
 import sys
 
+from _targets import TARGETS, is_tpu_target, target_devices
+
 
 _NO_HOIST = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 _DEVICES = "--xla_force_host_platform_device_count=8"
-
-
-def _tpu_target() -> bool:
-    """Whether this run compiles for a TPU (`--target tpu-...`)."""
-    argv = sys.argv[1:]
-    return any(
-        a.startswith("--target=tpu") or (a == "--target" and v.startswith("tpu"))
-        for a, v in zip(argv, argv[1:] + [""])
-    )
 
 
 def _set_xla_flags() -> None:
@@ -68,7 +61,7 @@ def _set_xla_flags() -> None:
     measures with the pass on. A TPU target keeps the TPU compiler's defaults (the
     CPU-only pass and host device count do not apply to it)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if _tpu_target():
+    if is_tpu_target(sys.argv[1:]):
         return
     if os.environ.get("BENCH_SCALE_HOIST") != "1" and _NO_HOIST not in flags:
         flags += " " + _NO_HOIST
@@ -121,15 +114,6 @@ ARMS = ("adam", "adam-8bit", "galore", "projected", "projected-8bit")
 # The step of one microbatch, no accumulation, with the pieces put together the
 # plain way; measured with `--accumulation 1`.
 SIMPLE_ARM = "simple-8bit"
-# What `--target` compiles for: the CPU this runs on, or one chip of a TPU topology
-# compiled ahead of time without a TPU (`jax[tpu]`'s libtpu), and the 8-chip slice of
-# the same generation for the FSDP step.
-TARGETS = {
-    "cpu": None,
-    "tpu-v5e": ("v5e:2x2", "v5e:2x4"),
-    "tpu-v5p": ("v5p:2x2x1", "v5p:2x2x2"),
-    "tpu-v6e": ("v6e:2x2", "v6e:2x4"),
-}
 GIB = 2**30
 
 
@@ -531,23 +515,6 @@ def estimate(
         received_keep,
         target,
         accumulation,
-    )
-
-
-def target_devices(target: str, devices: int) -> list:
-    """The devices to compile for: this machine's, or those of a TPU topology (no
-    TPU attached: `jax.experimental.topologies`, which needs libtpu, from
-    `pip install "jax[tpu]"`)."""
-    if target not in TARGETS:
-        raise ValueError(f"`target` must be one of {sorted(TARGETS)}, not {target!r}")
-    if TARGETS[target] is None:
-        return jax.devices()
-    from jax.experimental import topologies
-
-    single, sliced = TARGETS[target]
-    name = single if devices == 1 else sliced
-    return list(
-        topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     )
 
 
@@ -1127,6 +1094,42 @@ def targets_table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def fsdp_targets_table(runs: list[dict]) -> list[str]:
+    """The FSDP rows (more than one device): per target and arm, the bytes each chip
+    holds and the bytes each chip receives per step, read from the compiled HLO's
+    collectives, on a step that keeps the projectors and on a refresh step."""
+    rows = [r for r in runs if r["devices"] > 1]
+    rows.sort(
+        key=lambda r: (
+            r["target"],
+            list(MODELS).index(r["model"]),
+            r["devices"],
+            _arm_order(r["arm"]),
+        )
+    )
+    lines = [
+        "| target | model | devices | arm | GiB per chip | ÷ adam | received per "
+        "chip per step, GiB | on a refresh step | compile s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    found = {_target_key(r): r for r in rows}
+    for r in rows:
+        e = Estimate(**{k: v for k, v in r.items() if k != "command"})
+        adam = found.get(
+            (r["model"], r["accumulation"], r["devices"], "adam", r["target"])
+        )
+        ratio = ""
+        if adam:
+            base = Estimate(**{k: v for k, v in adam.items() if k != "command"})
+            ratio = f"{e.total / base.total:.3f}"
+        lines.append(
+            f"| {e.target} | {e.model} | {e.devices} | `{e.arm}` | {_gib(e.total)} | "
+            f"{ratio} | {_gib(e.received_keep)} | {_gib(e.received)} | "
+            f"{e.compile_s:.0f} |"
+        )
+    return lines
+
+
 def _arm_order(arm: str) -> int:
     order = (*ARMS, SIMPLE_ARM)
     return order.index(arm) if arm in order else len(order)
@@ -1172,6 +1175,21 @@ def render_targets(saved: dict) -> str:
             "",
             *targets_table(runs),
             "",
+            *(
+                [
+                    f"FSDP on an 8-chip slice (`--devices {FSDP_DEVICES}`): parameters "
+                    "and state sharded on their largest divisible axis, microbatches "
+                    "split, as in `bench_scale.md`. Bytes received per chip are the "
+                    "sum over the compiled HLO's collectives (`qt.hlo.collectives`, "
+                    "`qt.hlo.received_bytes`), with the refresh branch counted as not "
+                    "taken (`branch=0`, 199 steps in 200) and as taken (`branch=1`).",
+                    "",
+                    *fsdp_targets_table(runs),
+                    "",
+                ]
+                if any(r["devices"] > 1 for r in runs)
+                else []
+            ),
             *(
                 [
                     "Refused by the compiler (the step does not fit the chip):",

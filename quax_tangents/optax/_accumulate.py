@@ -461,7 +461,12 @@ def accumulate_gradients(
             bases = orthonormal(run(sketch(tests))[2])
         # The first `rank` columns of each basis are written over the old projector,
         # whose buffer is not read again; the oversampling's few columns (at least
-        # one: a projected leaf's smaller side exceeds its rank) go apart.
+        # one: a projected leaf's smaller side exceeds its rank) go apart. One pass
+        # with the whole basis instead, a pass fewer, held 23.98 against 22.84 GiB
+        # at 7B for one TPU v5p chip (the basis beside the old projector) and
+        # compiled in 65 against 67 s; at 1B on v5e, 6.73 GiB either way with 4
+        # microbatches, 6.75 against 7.16 with one
+        # (`benchmarks/bench_scale.py --target tpu-v5p --models 7B`).
         main, extra = [], []
         for i, (q, old) in enumerate(zip(bases, projectors)):
             if i not in key_of:
