@@ -46,6 +46,12 @@ MODELS = {
     "1B": LlamaConfig("1B", 2048, 5461, 32, 24, 512),
     "7B": LlamaConfig("7B", 4096, 11008, 32, 32, 1024),
 }
+# The 1B model with its MLP width rounded up to a multiple of 128 (5461 -> 5504), as
+# the MLP widths of public Llama models are (7B's 11008 is 86 x 128). A TPU tiles
+# an array's two minor dims by (8, 128): for a `(24, 5461, 2048)` stack its default
+# layout makes the layer dim minor instead, and the step copies each MLP stack into
+# the per-layer layout its loop slices (1.5 GiB at 1B, for every optimiser).
+VARIANTS = {"1B-5504": LlamaConfig("1B-5504", 2048, 5504, 32, 24, 512)}
 
 # The stacked block matrices, `(layers, m, n)` each, used as `x @ w`.
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")

@@ -90,6 +90,7 @@ import optax.contrib
 from _llama import (
     MATRICES,
     MODELS,
+    VARIANTS,
     LlamaConfig,
     count_params,
     init_params,
@@ -1069,7 +1070,7 @@ def targets_table(runs: list[dict]) -> list[str]:
     found = {_target_key(r): r for r in runs}
     rows = sorted(
         {k[:4] for k in found},
-        key=lambda k: (list(MODELS).index(k[0]), -k[1], k[2], _arm_order(k[3])),
+        key=lambda k: (_model_order(k[0]), -k[1], k[2], _arm_order(k[3])),
     )
     header = "| model | microbatches | devices | arm | " + " | ".join(
         f"{t} GiB | {t} ÷ adam | {t} temp | {t} compile s" for t in targets
@@ -1102,7 +1103,7 @@ def fsdp_targets_table(runs: list[dict]) -> list[str]:
     rows.sort(
         key=lambda r: (
             r["target"],
-            list(MODELS).index(r["model"]),
+            _model_order(r["model"]),
             r["devices"],
             _arm_order(r["arm"]),
         )
@@ -1128,6 +1129,10 @@ def fsdp_targets_table(runs: list[dict]) -> list[str]:
             f"{e.compile_s:.0f} |"
         )
     return lines
+
+
+def _model_order(model: str) -> int:
+    return list({**MODELS, **VARIANTS}).index(model)
 
 
 def _arm_order(arm: str) -> int:
@@ -1219,11 +1224,12 @@ def run_targets(args) -> None:
 
     saved = load()
     arms = args.arms or list(QUICK_ARMS)
+    configs = {**MODELS, **VARIANTS}
     for model in args.models or QUICK_MODELS:
         for arm in arms:
             try:
                 e = estimate(
-                    MODELS[model],
+                    configs[model],
                     arm,
                     accumulation=args.accumulation,
                     devices=args.devices,
@@ -1293,7 +1299,9 @@ def parse_args(argv):
         "--models and --arms, and merge the figures into "
         "results/bench_scale_targets.json and .md (CPU and TPU side by side)",
     )
-    parser.add_argument("--models", nargs="+", choices=tuple(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", choices=(*MODELS, *VARIANTS), help="with --target"
+    )
     parser.add_argument("--arms", nargs="+", choices=(*ARMS, SIMPLE_ARM))
     parser.add_argument(
         "--accumulation",

@@ -4,10 +4,12 @@ The range finder's orthonormalisation and its truncation take eigendecomposition
 `w x w` Gram matrices, `w` the rank plus a little oversampling (132 to 1028 for the
 GaLore ranks). On a TPU, `jnp.linalg.eigh` is a native Jacobi kernel up to 256 rows
 and a QDWH divide and conquer above, whose program is large: compiled ahead of time
-for one TPU v5e chip on 2 CPU cores, one `eigh` takes 0.3 s at 256 rows, 4.7 s at
-257, 22.5 s at 516 and 104 s at 1028 (`jnp.linalg.eigh` alone under `jax.jit`). A
-1B training step with a refresh held several of them and compiled in 178 s against
-BF16 Adam's 13 s.
+for one TPU v5e chip on 2 CPU cores, one `eigh` takes 0.3 s at 256 rows, 5.0 s at
+257, 24.7 s at 516 and 120 s at 1028, against 0.3, 1.5, 3.2 and 8.5 s for this
+function (`benchmarks/bench_eigh.py --target tpu-v5e`). A 1B training step with a
+refresh holds several of them: it compiled in 735 s against BF16 Adam's 94 s with
+`jnp.linalg.eigh` (on a busier machine), and in 60 s against 13 s with this function
+(`benchmarks/bench_scale.py --target tpu-v5e --models 1B`).
 
 Above 256 rows, the TPU lowering here is a block Jacobi method whose sub-problems
 are the native kernel's size: the matrix is cut into blocks of 128 rows; each round
@@ -157,8 +159,9 @@ def block_jacobi_eigh(
     rounds = jnp.asarray(_round_robin(blocks))
     tolerance = size * jnp.square(jnp.finfo(dtype).eps) * jnp.sum(jnp.square(a))
 
-    def one_round(r: Array, state: tuple) -> tuple:
-        return _rotate_pairs(*state, rounds[r])
+    def one_round(r: Array, state: tuple[Array, Array]) -> tuple[Array, Array]:
+        a4, v3 = state
+        return _rotate_pairs(a4, v3, rounds[r])
 
     def sweep(_: Array, state: tuple) -> tuple:
         # A fixed count of sweeps, each skipped once the rest has converged: a loop
