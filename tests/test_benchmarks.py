@@ -247,3 +247,16 @@ def test_scale_benchmark_targets_table(tmp_path):
     assert [arm for arm, _, _ in rows] == ["adam", "simple-8bit"], text
     assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 0
     assert (out.with_suffix(".json")).exists()
+
+
+@pytest.mark.slow
+def test_oversample_benchmark_quick(tmp_path):
+    text = _run_quick("bench_oversample.py", tmp_path / "oversample.md")
+    assert "bench_oversample.py --quick --out" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 64 x 128 |")]
+    assert len(rows) == 4  # two spectra, 0 and 1 power iterations
+    for row in rows:
+        best, *found = (float(c) for c in row.split("|")[5:8])
+        # No projector keeps more than the truncated SVD's; a range finder keeps a
+        # fair part of it (a random rank-4 subspace would keep 4/64 of the energy).
+        assert all(0.25 * best < f <= best + 1e-4 for f in found), row
