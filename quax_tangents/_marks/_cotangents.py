@@ -143,6 +143,7 @@ def projected_cotangent(
     projector: Float[ArrayLike, "*batch side rank"] | Projector | None = None,
     key: PRNGKeyArray | None = None,
     iters: int = 1,
+    oversample: int = 4,
 ) -> Float[Array, "*batch m n"]:
     """The identity on a weight `w`, whose cotangent is the projection of its gradient
     `G` onto a rank-`rank` subspace of its smaller side, as in GaLore.
@@ -177,6 +178,10 @@ def projected_cotangent(
         two products with the gradient's factors, and sharpens a fresh projector
         where the gradient's spectrum decays slowly). The optax layer's marks
         (`quax_tangents.optax.mark`) default to 0, as its accumulation does.
+    - `oversample`: extra columns of the range finder's test matrix, dropped by its
+        final SVD (4 by default). The optax layer's marks use none, as its
+        accumulation does: at LLM ranks they change the energy a fresh projector
+        keeps by under 0.002 (`benchmarks/bench_oversample.py`).
 
     **Returns:**
 
@@ -188,6 +193,14 @@ def projected_cotangent(
     )
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
+    if (
+        isinstance(oversample, bool)
+        or not isinstance(oversample, int)
+        or oversample < 0
+    ):
+        raise ValueError(
+            f"`oversample` must be a non-negative int, got {oversample!r}."
+        )
     key_data, key_impl = _key_data(key, batch)
     source: Source
     if projector is None:
@@ -197,7 +210,7 @@ def projected_cotangent(
         source, operands = Switch(), (matrix, projector.refresh, key_data)
     else:
         source, operands = Given(), (_check_projector(projector, w, rank),)
-    spec = Finish("projected", rank, iters, source, key_impl)
+    spec = Finish("projected", rank, iters, source, key_impl, oversample)
     return bind_mark(spec, w, operands)
 
 
@@ -412,14 +425,13 @@ _finished.defvjp(_finished_fwd, _finished_bwd, symbolic_zeros=True)
 
 
 class Pushable(NamedTuple):
-    """What the scan needs of such a mark: the weight before the mark, the
-    projector (the key data of a sketch's test matrices) and the sum (stacked), and
-    the spec."""
+    """What the scan needs of such a mark: the weight before the mark, its
+    operands (the projector, or the key data of a sketch's test matrices, or a
+    `Phased` mark's; the stacked sum last), and the spec."""
 
     marked_output: Any
     weight: Any
-    projector: Any
-    total: Any
+    operands: tuple
     spec: Finish
 
 
@@ -512,5 +524,5 @@ def _mark_rule(w: ArrayLike, *operands: ArrayLike, spec: Finish) -> Marked:
         return Marked(_finished(spec, w, *operands), spec.kind, False)
     array = _finished(tagged, w, *operands)
     token = tagged.token
-    _state.pushable[token] = Pushable(array, w, operands[0], operands[1], tagged)
+    _state.pushable[token] = Pushable(array, w, tuple(operands), tagged)
     return Marked(array, spec.kind, False, by_layer=True, token=token)

@@ -31,8 +31,7 @@ from .._core._compat import scan_counts
 from .._core._layout import constrain, drop_leading
 from . import _cotangents
 from ._marked import Marked
-from ._projection import projected_factor, projection, test_matrix, typed_as
-from ._sources import SketchKeyInto
+from ._projection import projected_factor, projection, typed_as
 
 
 def _is_float(x: Any) -> bool:
@@ -143,13 +142,13 @@ def _backward(
     arrays: Sequence[Any],
     carries: Sequence[Any],
     cts: Sequence[Any],
-    projected: dict[int, tuple[Any, Any, Any]] | None = None,
+    projected: dict[int, tuple[Any, tuple]] | None = None,
 ) -> list[Any]:
     """The cotangents of every operand: a reverse scan whose iterations take the
     VJP of the body with the marked operands as `Marked` values.
 
     `projected` maps the position of a scanned-over marked stack to its `(spec,
-    P, S)`: each iteration projects its layer's cotangent and writes
+    operands)` (the projector `P` first, the sum `S` last): each iteration projects its layer's cotangent and writes
     `S_l + G_l^T P_l` over that slice of `S`, and the stack's cotangent is the
     stacked `LowRank(P, S)` (see `scan_with_projected_xs`)."""
     projected = projected or {}
@@ -186,7 +185,7 @@ def _backward(
     init = (
         [ct_carry[i] for i in carry_diff],
         [jnp.zeros_like(arrays[i]) for i in const_dense],
-        [projected[i][2] for i in pushed],
+        [projected[i][1][-1] for i in pushed],
     )
     (ct_k, ct_c, running), (ct_marked, ct_xs) = jax.lax.scan(
         back_step,
@@ -203,8 +202,8 @@ def _backward(
         # The iterations' factors side by side: their exact sum.
         result[i] = jnp.sum(ct, axis=0)
     for i, total in zip(pushed, running):
-        spec, projector, _ = projected[i]
-        result[i] = _stacked_projection(spec, projector, total, arrays[i])
+        spec, operands = projected[i]
+        result[i] = _stacked_projection(spec, operands[0], total, arrays[i])
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
     for i, ct in zip(xs_diff, ct_xs):
@@ -213,31 +212,29 @@ def _backward(
 
 
 def _add_projected_slice(
-    ct: Any, index: Any, running: Any, spec: Any, projector: Any, total: Any
+    ct: Any, index: Any, running: Any, spec: Any, operands: tuple
 ) -> Any:
-    """`running` with its slice `index` replaced by `S_l + G_l^T P_l`, from the
-    layer's cotangent `ct` (`G_l`), its projector and its slice of the sum."""
+    """`running` with its slice `index` replaced by `S_l + G_l^T P_l` (the factor
+    the mark's source gives), from the layer's cotangent `ct` (`G_l`), its slice of
+    the mark's `operands` (the stacked sum last, in place of which `running` is
+    read) and its slice of the sum."""
     take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
-    factor = projected_factor(ct, take(projector), take(running), spec)
-    new = constrain(factor.astype(total.dtype), drop_leading(spec.layout, 1))
+    per_slice = spec.source.per_slice[:-1]
+    sliced = tuple(take(o) if cut else o for o, cut in zip(operands[:-1], per_slice))
+    factor = projected_factor(ct, sliced, take(running), spec)
+    new = constrain(factor.astype(running.dtype), drop_leading(spec.layout, 1))
     return jax.lax.dynamic_update_index_in_dim(running, new, index, 0)
 
 
 def _stacked_projection(spec: Any, projector: Any, total: Any, w: Any) -> Any:
-    """The stacked `LowRank(P, S)` (or the sketch `LowRank(S, Ω)`) of the weight
-    `w` whose slices of `S` the backward scan wrote, typed as `w`'s cotangent."""
-    left = _projector_left(w)
-    if isinstance(spec.source, SketchKeyInto):
-        omega = _test_matrices(spec, projector, jnp.shape(w))
-        out = projection(omega.astype(total.dtype), total, not left, False)
-    else:
-        out = projection(projector.astype(total.dtype), total, left)
+    """The stacked `LowRank(P, S)` of the weight `w` whose slices of `S` the
+    backward scan wrote, typed as `w`'s cotangent."""
+    out = projection(projector.astype(total.dtype), total, _projector_left(w))
     return typed_as(out, jax.typeof(w))
 
 
 # ---------------------------------------------------------------------------------------
 # A scan over the stack of a marked weight, projected layer by layer
-# (a `SketchKeyInto` mark, a refresh step's first pass, is sketched the same way)
 #
 # When a scan slices a stacked weight marked for a `GivenInto` projection (a
 # given projector `P` and a running sum `S`, as `accumulate_gradients` marks it),
@@ -305,7 +302,7 @@ def scan_with_projected_xs(
     arrays = [a if e is None else e.weight for a, e in zip(args, entries)]
     pushed = [i for i, e in enumerate(entries) if e is not None]
     found = [e for e in entries if e is not None]
-    extras = [x for e in found for x in (e.projector, e.total)]
+    extras = [x for e in found for x in e.operands]
     body = jexc.jaxpr_as_fun(jaxpr)
     options = dict(
         length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
@@ -337,10 +334,11 @@ def scan_with_projected_xs(
     def scanned_bwd(residuals: tuple, cts: list[Any]) -> tuple:
         flat, carries = residuals
         arrays, extra = list(flat[:n]), list(flat[n:])
-        projected = {
-            i: (e.spec, extra[2 * k], extra[2 * k + 1])
-            for k, (i, e) in enumerate(zip(pushed, found))
-        }
+        projected, start = {}, 0
+        for i, e in zip(pushed, found):
+            count = len(e.operands)
+            projected[i] = (e.spec, tuple(extra[start : start + count]))
+            start += count
         result = _backward(
             body, metas, nc, nk, options, arrays, carries, cts, projected
         )
@@ -355,18 +353,3 @@ def _projector_left(w: Any) -> bool:
     (`m <= n`: the rows' side is the smaller)."""
     m, n = jnp.shape(w)[-2:]
     return m <= n
-
-
-def _test_matrices(spec: Any, key_data: Any, shape: tuple) -> Any:
-    """The test matrices `Ω` of a stacked sketch, one per slice, as the sketch of
-    each slice drew them (`quax_tangents._marks._projection._projected`)."""
-    m, n = shape[-2:]
-    side = (m, n) if m <= n else (n, m)
-    flat = key_data.reshape(-1, key_data.shape[-1])
-
-    def one(data: Any) -> Any:
-        key = jax.random.wrap_key_data(data, impl=spec.key_impl)
-        return test_matrix(key, side, spec.rank, spec.oversample)
-
-    omega = jax.vmap(one)(flat)
-    return omega.reshape(*key_data.shape[:-1], *omega.shape[1:])

@@ -39,7 +39,7 @@ from .._types._primitives import (
 from .._types.lowrank import LowRank, within_budget
 from .._types.outer import OuterSum
 from .._types.rows import SparseRows
-from ._sources import Fresh, GivenInto, Sketch, Source
+from ._sources import Fresh, Phased, Source
 
 
 def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:
@@ -98,8 +98,7 @@ class Finish:
 
     `source` says where a projection's projector comes from, and so which operands
     follow the cotangent: one of the types of `quax_tangents._marks._sources`
-    (`Given`, `GivenInto`, `Fresh`, `Switch`, `Sketch`, `SketchKey`,
-    `SketchKeyInto`).
+    (`Given`, `Fresh`, `Switch`, `Phased`).
     """
 
     kind: Kind
@@ -108,7 +107,7 @@ class Finish:
     source: Source = Fresh()
     key_impl: str = "threefry2x32"
     oversample: int = 4
-    # Which mark a `GivenInto` spec belongs to, when a scan over its stack may
+    # Which mark a `Phased` spec belongs to, when a scan over its stack may
     # project it layer by layer (see `quax_tangents._marks._marked_scan`); not compared.
     token: int = dataclasses.field(default=0, compare=False)
     # Whether a scan over the stack may do so (`accumulate_gradients(by_layer=...)`).
@@ -170,21 +169,6 @@ def test_matrix(key: Any, shape: tuple[int, int], rank: int, oversample: int) ->
     return jax.random.normal(key, (shape[1], width), _work_dtype(jnp.float32))
 
 
-def _sketch(
-    operands: tuple, apply: Callable, m_le_n: bool, dtype: Any, total: Any = None
-) -> LowRank:
-    """`Y = G Ω` for the test matrix `Ω` given, as `LowRank(Y, Ω)` (or `(Ω, Y)` for a
-    tall weight): a value of the weight's shape that carries the sketch. With
-    `total`, `S + G Ω`."""
-    omega = operands[0]
-    sketch = apply(omega.astype(_work_dtype(omega.dtype)))
-    if total is not None:
-        sketch = sketch + total.astype(sketch.dtype)
-    sketch = sketch.astype(dtype)
-    omega = omega.astype(dtype)
-    return LowRank(sketch, omega) if m_le_n else LowRank(omega, sketch)
-
-
 def _key(spec: Finish, key_data: Array) -> Any:
     return jax.random.wrap_key_data(key_data, impl=spec.key_impl)
 
@@ -218,15 +202,8 @@ def _projected(
     m, n = shape
     if m > n:  # project G^T, whose smaller side comes first
         apply, apply_t, shape = apply_t, apply, (n, m)
-    if isinstance(spec.source, Sketch):
-        return _sketch(operands, apply, m <= n, dtype)
-    if spec.source.sketch:
-        # Drawn here, one slice at a time inside a scan over stacked layers, rather
-        # than for every layer at once before the pass.
-        key = _key(spec, operands[0])
-        omega = test_matrix(key, (shape[0], shape[1]), spec.rank, spec.oversample)
-        total = operands[1] if spec.source.into else None
-        return _sketch((omega,), apply, m <= n, dtype, total)
+    if isinstance(spec.source, Phased):
+        return _phased(spec, operands, apply, apply_t, shape, m <= n, dtype)
     basis = _projector(spec, operands, apply, apply_t, shape)
     if spec.source.given:
         basis_out = operands[0].astype(dtype)  # exactly the projector given
@@ -243,6 +220,57 @@ def _projected(
     return unchecked(LowRank, left=other, right=basis_out, projector_side="right")
 
 
+def _phased(
+    spec: Finish,
+    operands: tuple,
+    apply: Callable,
+    apply_t: Callable,
+    shape: tuple[int, int],
+    m_le_n: bool,
+    dtype: Any,
+) -> LowRank:
+    """A `Phased` mark's `LowRank(M, F)` (`(F, M)` for a tall weight), its factor
+    `F` chosen by the phase operand with a `lax.switch` of small products; `shape`
+    is `(small, large)`."""
+    source = spec.source
+    assert isinstance(source, Phased)
+    matrix, key_data, phase = operands[:3]
+    small, large = shape
+    work = _work_dtype(dtype)
+
+    def given() -> Array:
+        return apply_t(matrix.astype(work))
+
+    # Under explicit mesh axes the branches of a switch must agree in layout: each
+    # gives its factor laid out as the sum (or as the projection, without one).
+    reference = operands[-1] if source.into else given()
+
+    def in_rows(sketch: Array) -> Array:
+        # A sketch `(small, r)` in the first rows of a `(large, r)` factor; its rows
+        # gathered first where sharded, as the zeros below them are not.
+        if small < large:
+            sketch = _sharding.typed_like_spec(sketch, ())
+            rest = jnp.zeros((large - small, sketch.shape[-1]), sketch.dtype)
+            sketch = jnp.concatenate([sketch, rest], axis=0)
+        return _sharding.like(sketch, reference)
+
+    def drawn() -> Array:
+        omega = test_matrix(_key(spec, key_data), shape, spec.rank, 0)
+        return in_rows(apply(omega))
+
+    branches = [lambda: _sharding.like(given(), reference), drawn]
+    if source.tested:
+        tests = operands[3]
+        branches.append(lambda: in_rows(apply(tests.astype(work))))
+    other = jax.lax.switch(phase, branches)
+    if source.into:
+        other = other + operands[-1].astype(other.dtype)
+    other, basis = other.astype(dtype), matrix.astype(dtype)
+    if m_le_n:
+        return unchecked(LowRank, left=basis, right=other, projector_side="left")
+    return unchecked(LowRank, left=other, right=basis, projector_side="right")
+
+
 def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Callable:
     """`fn(*arrays, *operands)` for one matrix, over `batch_ndim` leading dims of
     the arrays and of the per-slice operands: one slice after another
@@ -251,8 +279,8 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     `lax.cond` between keeping and refreshing a projector stays a branch."""
     if batch_ndim == 0:
         return fn
-    if isinstance(spec.source, GivenInto):
-        return _into_slices(fn, batch_ndim, spec.layout)
+    if isinstance(spec.source, Phased) and spec.source.into:
+        return _into_slices(fn, batch_ndim, spec.source.per_slice, spec.layout)
     per_slice = (True,) * arrays + spec.source.per_slice
 
     def mapped(*args: Any) -> Any:
@@ -273,34 +301,37 @@ def _over_slices(fn: Callable, spec: Finish, arrays: int, batch_ndim: int) -> Ca
     return mapped
 
 
-def _into_slices(fn: Callable, batch_ndim: int, layout: Any = None) -> Callable:
-    """`fn(*arrays, projector, sum)` of a `GivenInto` finish, slice by slice in a
-    loop that writes each slice's new sum over the old one (in place), so that the
-    stack of sums is the only factor-sized buffer."""
+def _into_slices(
+    fn: Callable, batch_ndim: int, per_slice: tuple[bool, ...], layout: Any = None
+) -> Callable:
+    """`fn(*arrays, *operands, sum)` of a finish into a running sum (`Phased`),
+    slice by slice in a loop that writes each slice's new sum over the
+    old one (in place), so that the stack of sums is the only factor-sized buffer.
+    `per_slice`: the source's, whether each operand (the sum last) is per slice."""
 
     def mapped(*args: Any) -> LowRank:
-        *arrays, projector, total = args
+        count = len(per_slice)
+        arrays, operands = args[:-count], args[-count:-1]
+        total = args[-1]
         batch = total.shape[:batch_ndim]
         flat = lambda a: a.reshape(-1, *a.shape[batch_ndim:])  # noqa: E731
-        arrays, projector, start = (
-            [flat(a) for a in arrays],
-            flat(projector),
-            flat(total),
-        )
+        arrays = [flat(a) for a in arrays]
+        operands = [flat(o) if cut else o for o, cut in zip(operands, per_slice)]
         left_side: list[bool] = []
         slice_layout = drop_leading(layout, batch_ndim)
 
         def body(i: Any, buffer: Any) -> Any:
             take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
-            old = take(buffer)
-            out = fn(*[take(a) for a in arrays], take(projector), old)
+            sliced = [take(o) if cut else o for o, cut in zip(operands, per_slice)]
+            out = fn(*[take(a) for a in arrays], *sliced, take(buffer))
             left_side.append(out.projector_side == "left")
             factor = out.right if left_side[-1] else out.left
             new = constrain(factor.astype(total.dtype), slice_layout)
             return jax.lax.dynamic_update_index_in_dim(buffer, new, i, 0)
 
-        sums = jax.lax.fori_loop(0, start.shape[0], body, start)
+        sums = jax.lax.fori_loop(0, flat(total).shape[0], body, flat(total))
         sums = sums.reshape(total.shape)
+        projector = operands[0]
         basis = projector.reshape(*batch, *projector.shape[1:]).astype(total.dtype)
         if left_side[0]:
             return unchecked(LowRank, left=basis, right=sums, projector_side="left")
@@ -366,7 +397,7 @@ def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
         # Affine: the sum does not move with `ct`.
         linear = dataclasses.replace(spec, source=spec.source.linear())
         return finish_p.bind(*primals, spec=spec), finish_p.bind(
-            tangent, primals[1], spec=linear
+            tangent, *primals[1:-1], spec=linear
         )
     return finish_p.bind(*primals, spec=spec), finish_p.bind(
         tangent, *primals[1:], spec=spec
@@ -456,44 +487,39 @@ def unique_rows(x: SparseRows) -> SparseRows:
 
 
 # ---------------------------------------------------------------------------------------
-# One slice of a `GivenInto` projection, inside a loop over the slices, and the
+# One slice of a `Phased` projection, inside a loop over the slices, and the
 # stacked result put back together (see `quax_tangents._marks._marked_scan`)
 
 projected_factor_p = jexc.Primitive("projected_factor")
 
 
-def _factor(result: LowRank, spec: Finish, shape: tuple) -> Array:
-    """The factor of a projection that is not the projector; of a sketch, the
-    sketch `G Ω` (the side of `Ω` is the larger side of the matrix `shape`)."""
-    if spec.source.sketch:
-        m, n = shape[-2:]
-        return result.left if m <= n else result.right
+def _factor(result: LowRank) -> Array:
+    """The factor of a projection that is not the projector."""
     return result.right if result.projector_side == "left" else result.left
 
 
 def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
-    return _factor(project_dense(spec, ct, operands), spec, ct.shape)
+    return _factor(project_dense(spec, ct, operands))
 
 
 def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
-    return jax.core.ShapedArray(operands[1].shape, operands[1].dtype)
+    return jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)
 
 
 _define(projected_factor_p, _projected_factor_dense, _projected_factor_abstract)
 
 
-def projected_factor(ct: Any, projector: Any, total: Any, spec: Finish) -> Any:
-    """`S + G^T P` (or `S + G Q` for a tall matrix): the factor that a
-    `GivenInto` finish of one matrix's cotangent `ct` (`G`) gives with the
-    projector `projector` and the sum `total`, with `ct`'s factors kept apart
-    under quax; for a `SketchKeyInto` finish (`projector` the key data), the
-    sketch `S + G Ω`."""
-    return projected_factor_p.bind(ct, projector, total, spec=spec)
+def projected_factor(ct: Any, operands: tuple, total: Any, spec: Finish) -> Any:
+    """The factor that a `Phased` finish of one matrix's cotangent `ct` (`G`)
+    gives with its `operands` and the sum `total` (`S + G^T P` for a given
+    projector, `S + G Q` for a tall matrix; a sketch in its phases that sketch),
+    with `ct`'s factors kept apart under quax."""
+    return projected_factor_p.bind(ct, *operands, total, spec=spec)
 
 
 @rule(projected_factor_p)
 def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
-    return _factor(project_outer(spec, ct, operands), spec, ct.shape)
+    return _factor(project_outer(spec, ct, operands))
 
 
 @rule(projected_factor_p, dense_output=True)
@@ -504,22 +530,18 @@ def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -
         "the marked weight's cotangent in one iteration of the scan is dense",
     )
     ct = jnp.asarray(ct)
-    return _factor(project_dense(spec, ct, operands), spec, ct.shape)
+    return _factor(project_dense(spec, ct, operands))
 
 
 projection_p = jexc.Primitive("projection")
 
 
-def _projection_dense(
-    projector: Array, factor: Array, *, left: bool, tagged: bool = True
-) -> Array:
+def _projection_dense(projector: Array, factor: Array, *, left: bool) -> Array:
     product = jnp.matmul(projector, jnp.swapaxes(factor, -1, -2))
     return product if left else jnp.swapaxes(product, -1, -2)
 
 
-def _projection_abstract(
-    projector: Any, factor: Any, *, left: bool, tagged: bool = True
-) -> Any:
+def _projection_abstract(projector: Any, factor: Any, *, left: bool) -> Any:
     *batch, side, _ = projector.shape
     other = factor.shape[-2]
     shape = (*batch, side, other) if left else (*batch, other, side)
@@ -529,21 +551,15 @@ def _projection_abstract(
 _define(projection_p, _projection_dense, _projection_abstract)
 
 
-def projection(projector: Any, factor: Any, left: bool, tagged: bool = True) -> Any:
-    """`P F^T` (`left`) or `F P^T`, a `LowRank` under quax (with `projector_side`
-    when `tagged`): the stacked projection (or sketch, with `Ω` as `projector`)
-    whose factors a loop over the slices wrote."""
-    return projection_p.bind(projector, factor, left=left, tagged=tagged)
+def projection(projector: Any, factor: Any, left: bool) -> Any:
+    """`P F^T` (`left`) or `F P^T`, a `LowRank` with `projector_side` under quax:
+    the stacked projection whose factors a loop over the slices wrote."""
+    return projection_p.bind(projector, factor, left=left)
 
 
 @rule(projection_p)
-def _projection_rule(
-    projector: ArrayLike, factor: ArrayLike, *, left: bool, tagged: bool = True
-) -> LowRank:
+def _projection_rule(projector: ArrayLike, factor: ArrayLike, *, left: bool) -> LowRank:
     projector, factor = jnp.asarray(projector), jnp.asarray(factor)
-    if not tagged:
-        pair = (projector, factor) if left else (factor, projector)
-        return unchecked(LowRank, left=pair[0], right=pair[1])
     if left:
         return unchecked(LowRank, left=projector, right=factor, projector_side="left")
     return unchecked(LowRank, left=factor, right=projector, projector_side="right")

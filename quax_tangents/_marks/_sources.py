@@ -2,8 +2,8 @@
 of a `Finish` spec (`quax_tangents._marks._projection`).
 
 A source says which operands follow the cotangent into `finish_p`, which of them
-hold one entry per slice of a stacked weight, and whether the result is a
-projection or a sketch, and whether it is added to a running sum. The types hold no
+hold one entry per slice of a stacked weight, and whether the result is added to a
+running sum. The types hold no
 arrays: they are static parameters of a primitive, equal when their types are.
 """
 
@@ -20,8 +20,6 @@ class Source(eqx.Module):
     per_slice: ClassVar[tuple[bool, ...]]
     # The first operand is the projector, used as given.
     given: ClassVar[bool] = False
-    # The result is a sketch `G Ω` of the matrix, not a projection.
-    sketch: ClassVar[bool] = False
     # The last operand is a running sum `S` that the result adds to (affine in `G`).
     into: ClassVar[bool] = False
 
@@ -35,20 +33,6 @@ class Given(Source):
 
     per_slice = (True,)
     given = True
-
-
-class GivenInto(Source):
-    """Operands: the projector `P` and a sum `S` of earlier factors. Gives
-    `LowRank(P, S + G^T P)`, written over `S` slice by slice: how
-    `quax_tangents.optax.accumulate_gradients` adds microbatches up without a second
-    factor-sized buffer."""
-
-    per_slice = (True, True)
-    given = True
-    into = True
-
-    def linear(self) -> Source:
-        return Given()
 
 
 class Fresh(Source):
@@ -65,27 +49,37 @@ class Switch(Source):
     per_slice = (True, False, True)
 
 
-class Sketch(Source):
-    """Operands: a test matrix `Ω`. Gives the sketch `G Ω`."""
+class Phased(Source):
+    """Operands: a matrix `M` (`small x r`), the key data of the test matrix, the
+    phase (an int32 scalar shared by all slices), a test matrix `T` (`large x r`)
+    when `tested`, and a sum `S` (`large x r`) when `summed`. Gives `LowRank(M, F)`
+    whose factor `F` is, by phase (`PHASE_*`):
 
-    per_slice = (True,)
-    sketch = True
+    - `PHASE_GIVEN`: `S + G^T M`, the projection with the projector `M` (`Given`)
+      added to the sum;
+    - `PHASE_DRAWN`: `S + G Ω` in the first `small` rows (the rest of `S` as it
+      was), for the `large x r` test matrix `Ω` drawn from the key, as the range
+      finder draws it with no oversampling;
+    - `PHASE_TESTED`: `S + G T` in the same rows (a power iteration).
 
+    One mark whose phase is an operand, not a parameter: every pass of a refresh
+    (`quax_tangents.optax.accumulate_gradients`) is the same compiled pass, run as
+    the trips of one loop. Outside `PHASE_GIVEN` the `LowRank` is a carrier of `F`
+    only: its dense value is not a gradient."""
 
-class SketchKey(Source):
-    """Operands: the key data that `Ω` is drawn from (as `Fresh`'s range finder
-    draws it), one slice at a time. Gives the sketch `G Ω`."""
+    tested: bool = False
+    summed: bool = True
 
-    per_slice = (True,)
-    sketch = True
+    @property
+    def per_slice(self) -> tuple[bool, ...]:  # type: ignore[override]
+        return (True, True, False) + (True,) * (self.tested + self.summed)
 
-
-class SketchKeyInto(Source):
-    """Operands: the key data and a sum `S` of earlier sketches. Gives `S + G Ω`."""
-
-    per_slice = (True, True)
-    sketch = True
-    into = True
+    @property
+    def into(self) -> bool:  # type: ignore[override]
+        return self.summed
 
     def linear(self) -> Source:
-        return SketchKey()
+        return Phased(tested=self.tested, summed=False)
+
+
+PHASE_GIVEN, PHASE_DRAWN, PHASE_TESTED = 0, 1, 2

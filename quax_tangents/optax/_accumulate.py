@@ -7,23 +7,27 @@ over the microbatches, each marked with `P`, adding up their small factors. On a
 refresh step every microbatch must use the same fresh projector, the range finder's
 of `G`, which only needs products with `G`, and so sums of products with each `G_i`:
 
-1. sketch pass: `Y = (1/k) sum_i G_i Ω` for the Gaussian test matrix `Ω` that the
-   mark's range finder would draw from the same key; `Q = orth(Y)`;
-2. (per power iteration, two more passes: `Q = orth(G orth(G^T Q))`);
-3. `B = (1/k) sum_i G_i^T Q`, in two passes: one with `Q`'s first `rank` columns,
-   written over the old projector (whose buffer is not read again), one with the
-   oversampling's few other columns; then, as the range finder truncates, `U` the
-   left singular vectors of `B^T` and `P = Q U_r`, written over the old projector
-   again;
-4. the pass of a step that keeps the projector, with `P`: `G^T P` (`= B U_r`).
+1. `Y = (1/k) sum_i G_i Ω` for the Gaussian test matrix `Ω` (`rank` columns) that
+   the mark's range finder draws from the same key; `Q = orth(Y)`;
+2. (per power iteration, `T = orth(G^T Q)`, then `Q = orth(G T)`);
+3. `B = (1/k) sum_i G_i^T Q`; then, as the range finder ends, `U` the left singular
+   vectors of `B^T` and `P = Q U`, written over the old projector.
 
-That is the full batch's range finder, step for step; only the order of additions
-differs. (Written for `m <= n`; a tall weight is projected on its columns, `G^T`.)
-A refresh step runs steps 1-3 in the true branch of a `lax.cond`, then step 4 as
-every step does: `4 + 2 * iters` passes.
+That is the full batch's range finder (with no oversampling, as the optax layer's
+marks draw it), step for step; only the order of additions differs. (Written for
+`m <= n`; a tall weight is projected on its columns, `G^T`.)
+
+Every pass marks each projected matrix with one `Phased` mark whose phase, an
+operand, picks the product (`G^T M`, `G Ω`, `G T`): the refresh's `2 + 2 * iters`
+passes are the trips of one `while_loop` around one compiled pass, and its last
+trip writes `P`. The pass every step makes follows, with `P` (`G^T P`, which is
+`B U`): `3 + 2 * iters` passes on a refresh, one on other steps, and two compiled
+copies of the model's pass. The factors of the refresh's last trip, rotated
+(`B U`), would save that pass, but the rotation of the stack after the pass held
+0.36 GiB more at 1B for one TPU v5e chip, in every form tried
+(`benchmarks/bench_scale.py --target tpu-v5e --models 1B`).
 """
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,16 +42,18 @@ from .._autodiff import _ad
 from .._core._layout import constrain, drop_leading, explicit_sharding
 from .._core._sharding import (
     column_signs,
+    like,
     orthonormal_columns,
     top_left_singular,
 )
 from .._core._unchecked import unchecked
+from .._marks._sources import PHASE_DRAWN, PHASE_GIVEN, PHASE_TESTED
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
 from ._galore_leaves import LeafPlan
 from ._mark import flatten_as, leaf_keys, plan_leaves
-from ._passes import DrawnSketch, GivenProjector, GivenSketch, Mode, mark_leaf
+from ._passes import PhasedPass, mark_leaf
 from ._projected import find_state
 
 
@@ -62,72 +68,56 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     return jax.random.key_data(key)
 
 
-def _in_place_per_matrix(fn: Any, xs: tuple, layout: Any = None) -> Array:
-    """`fn` of each matrix in the last two dims of `xs`, one after another, each
-    result (of the shape and dtype of a matrix of `xs[0]`) written over that matrix
-    of `xs[0]`: the float32 work is one matrix's size, and the only stack-sized
-    buffer is the one `xs[0]` already holds. `layout`: the stack's sharding, or
-    None (a loop's buffer is replicated unless constrained)."""
-    batch = xs[0].shape[:-2]
+def _in_place_per_matrix(
+    fn: Callable, buffers: tuple, inputs: tuple, layouts: tuple
+) -> tuple:
+    """`fn(buffers, inputs)` of each matrix (the last two dims) of the stacks, one
+    matrix after another, its results written over the matrices of `buffers`: the
+    float32 work is one matrix's size, no stack-sized buffer is added, and a
+    `lax.switch` inside `fn` copies one matrix, not the stacks (a switch over whole
+    stacks copies each). `fn` maps a tuple of matrices of `buffers` (None where a
+    buffer is None) and one of `inputs` to a tuple of the shapes and dtypes of the
+    first. `layouts`: each buffer's sharding, or None (a loop's buffer is
+    replicated unless constrained)."""
+
+    def laid_out(xs: tuple, shardings: tuple) -> tuple:
+        return tuple(
+            None if x is None else constrain(x, sharding)
+            for x, sharding in zip(xs, shardings)
+        )
+
+    batch = inputs[0].shape[:-2]
     if not batch:
-        return constrain(fn(*xs), layout)
-    flat = [x.reshape(-1, *x.shape[-2:]) for x in xs]
-    dtype = flat[0].dtype
-    if len(batch) != 1:  # the layout is of the stack's own dims
-        layout = None
+        return laid_out(fn(buffers, inputs), layouts)
+    if len(batch) != 1:  # the layouts are of the stacks' own dims
+        layouts = (None,) * len(buffers)
+    per_matrix = tuple(drop_leading(sharding, 1) for sharding in layouts)
+    flatten = lambda x: None if x is None else x.reshape(-1, *x.shape[-2:])  # noqa: E731
+    flat_inputs = tuple(map(flatten, inputs))
 
-    def body(i: Any, buffer: Array) -> Array:
-        take = functools.partial(jax.lax.dynamic_index_in_dim, index=i, keepdims=False)
-        out = fn(take(buffer), *map(take, flat[1:]))
-        assert out.shape == flat[0].shape[1:] and out.dtype == dtype
-        out = constrain(out, drop_leading(layout, 1))
-        return constrain(jax.lax.dynamic_update_index_in_dim(buffer, out, i, 0), layout)
+    def body(i: Any, stacks: tuple) -> tuple:
+        take = lambda x: (  # noqa: E731
+            None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+        )
+        outs = fn(tuple(map(take, stacks)), tuple(map(take, flat_inputs)))
+        written = tuple(
+            None if x is None else jax.lax.dynamic_update_index_in_dim(x, y, i, 0)
+            for x, y in zip(stacks, laid_out(outs, per_matrix))
+        )
+        return laid_out(written, layouts)
 
-    buffer = constrain(flat[0], layout)
-    buffer = jax.lax.fori_loop(0, flat[0].shape[0], body, buffer)
-    return buffer.reshape(xs[0].shape)
-
-
-def _orthonormal(x: Array, dtype: Any, layout: Any = None) -> Array:
-    # The range finder's own orthonormalisation, so that the sums over microbatches
-    # give the projector that one full batch gives; kept in the weight's dtype, and
-    # written over the sums it replaces.
-    def one(m: Array) -> Array:
-        work = m.astype(jnp.promote_types(m.dtype, jnp.float32))
-        return orthonormal_columns(work).astype(dtype)
-
-    return _in_place_per_matrix(one, (x.astype(dtype),), layout)
-
-
-def _write_columns(old: Array, basis: Array, rank: int, layout: Any) -> Array:
-    """The first `rank` columns of `basis`, written over `old` matrix by matrix."""
-
-    def first_columns(_: Array, q: Array) -> Array:
-        return q[..., :rank].astype(old.dtype)
-
-    return _in_place_per_matrix(first_columns, (old, basis), layout)
-
-
-def _truncate(q: Array, q_extra: Array, b: Array, b_extra: Array, rank: int) -> Array:
-    """The range finder's last step for one matrix, its basis `Q` and the product
-    `B = G^T Q` each given as the first `rank` columns and the others: `U` the top
-    left singular vectors of `B^T`, and `P = Q U` with its sign convention, in the
-    dtype of `q`."""
-    work = jnp.promote_types(q.dtype, jnp.float32)
-    q_all = jnp.concatenate([q.astype(work), q_extra.astype(work)], axis=-1)
-    b_all = jnp.concatenate([b.astype(work), b_extra.astype(work)], axis=-1)
-    u = top_left_singular(b_all.T, rank)
-    u = u * column_signs(q_all @ u)
-    return (q_all @ u).astype(q.dtype)
+    start = laid_out(tuple(map(flatten, buffers)), layouts)
+    flat = jax.lax.fori_loop(0, math.prod(batch), body, start)
+    return tuple(
+        None if x is None else x.reshape(b.shape) for x, b in zip(flat, buffers)
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # One pass over the microbatches
 
 
-def _contribution(
-    grad: Any, plan: LeafPlan | None, mode: "Mode | None", path: str
-) -> Any:
+def _contribution(grad: Any, plan: LeafPlan | None, path: str) -> Any:
     """What one microbatch adds to the accumulator of one leaf."""
     if grad is None:
         return None
@@ -138,13 +128,8 @@ def _contribution(
                 f"{type(grad).__name__}, not LowRank: mark nothing in `loss_fn` "
                 "(the marks are applied here)."
             )
-        # The factor that is not the given matrix: G^T Q (given) or G Ω (sketch),
-        # both on the side opposite the projector of a given projector's pass.
-        projector_left = plan.side == "left"
-        assert mode is not None  # a projected leaf always has a mode
-        if mode.sketch:
-            return grad.left if projector_left else grad.right
-        return grad.right if projector_left else grad.left
+        # The factor that is not the given matrix: the trip's sum (`Phased`).
+        return grad.right if plan.side == "left" else grad.left
     if isinstance(grad, SparseRows):
         return grad
     if is_compressed(grad):
@@ -177,8 +162,7 @@ def _pass(
     ]
 
     def layout(i: int, x: Any) -> Any:
-        sketch = modes[i] is not None and modes[i].sketch
-        return _layout(shardings[i], plans[i], x, sketch)
+        return _layout(shardings[i], plans[i], x, False)
 
     def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
@@ -195,22 +179,15 @@ def _pass(
         value, grads = value_and_grad(params, batch, totals)
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
-        parts = [
-            _contribution(g, p, m, path)
-            for g, p, m, path in zip(flat, plans, modes, paths)
-        ]
+        parts = [_contribution(g, p, path) for g, p, path in zip(flat, plans, paths)]
         return loss, aux, parts
 
     # The carry starts as zeros shaped like one microbatch's contributions.
     first = jtu.tree_map(lambda x: x[0], microbatches)
     shapes = jax.eval_shape(one, first)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
-    # Projections with a given projector, and sketches with drawn test matrices, add
-    # into the sum themselves.
-    into = [
-        p is not None and p.kind == "project" and m is not None and m.into
-        for p, m in zip(plans, modes)
-    ]
+    # Each projected leaf's mark adds its product into the sum itself.
+    into = [p is not None and p.kind == "project" for p in plans]
 
     def body(carry: Any, batch: Any) -> tuple[Any, Any]:
         loss_sum, sums = carry
@@ -269,6 +246,75 @@ def _rows_mean(stacked: Any, k: int) -> Any:
 
 # ---------------------------------------------------------------------------------------
 # Steady and refresh steps
+
+
+# ---------------------------------------------------------------------------------------
+# A refresh: the range finder's `2 + 2 * iters` trips of the pass (a sketch `G Ω`;
+# per power iteration `G^T Q` then `G T`; last `B = G^T Q`), each the same compiled
+# pass with its phase as an operand, in one `while_loop`
+
+
+def _phase(t: Array) -> Array:
+    """The phase of a refresh's trip `t`: `PHASE_DRAWN` first, then `PHASE_GIVEN`
+    and `PHASE_TESTED` in turn, ending on `PHASE_GIVEN`."""
+    alternate = jnp.where(t % 2 == 1, PHASE_GIVEN, PHASE_TESTED)
+    return jnp.where(t == 0, PHASE_DRAWN, alternate).astype(jnp.int32)
+
+
+# What follows a trip, per matrix, as the index of a `lax.switch` over `_basis`,
+# `_truncate` and (with power iterations) `_tests`; each takes one matrix of the
+# basis `M` and of the test matrices `T` (or None), and of the trip's sum `S`.
+_BASIS, _TRUNCATE, _TESTS = 0, 1, 2
+
+
+def _after(t: Array, phase: Array, iters: int) -> Array:
+    given = jnp.where(t == 2 * iters + 1, _TRUNCATE, _TESTS)
+    return jnp.where(phase == PHASE_GIVEN, given, _BASIS).astype(jnp.int32)
+
+
+def _orthonormal(y: Array, dtype: Any) -> Array:
+    # The range finder's own orthonormalisation, so that the sums over microbatches
+    # give the projector one full batch gives.
+    work = y.astype(jnp.promote_types(y.dtype, jnp.float32))
+    return orthonormal_columns(work).astype(dtype)
+
+
+def _basis(mt: tuple, sums: tuple) -> tuple:
+    """After a sketch: the basis `Q = orth(G Ω)` (or `orth(G T)`) of the sketch in
+    the sum's first rows."""
+    (m, t), (s,) = mt, sums
+    return _orthonormal(s[: m.shape[0]], m.dtype), t
+
+
+def _tests(mt: tuple, sums: tuple) -> tuple:
+    """After `G^T Q` within a power iteration: the test matrix `T = orth(G^T Q)`."""
+    (m, t), (s,) = mt, sums
+    return m, _orthonormal(s, t.dtype)
+
+
+def _truncate(mt: tuple, sums: tuple) -> tuple:
+    """After the last `B = G^T Q`, the range finder's last step: `U` the top left
+    singular vectors of `B^T`, and the new projector `P = Q U` with its sign
+    convention (as `quax_tangents.projected_cotangent`'s range finder)."""
+    (m, t), (s,) = mt, sums
+    work = jnp.promote_types(m.dtype, jnp.float32)
+    p = m.astype(work) @ top_left_singular(s.astype(work).T, m.shape[-1])
+    return (p * column_signs(p)).astype(m.dtype), t
+
+
+def _laid_out_as_given(step: Callable) -> Callable:
+    """`step` whose matrices come out laid out as they came in: under explicit mesh
+    axes the branches of a switch must agree in layout."""
+
+    def laid_out(mt: tuple, sums: tuple) -> tuple:
+        return tuple(
+            None if y is None else like(y, x) for y, x in zip(step(mt, sums), mt)
+        )
+
+    return laid_out
+
+
+_STEPS = tuple(map(_laid_out_as_given, (_basis, _truncate, _tests)))
 
 
 def _leaf_shardings(shardings: Any, treedef: Any, plans: list, leaves: list) -> list:
@@ -338,16 +384,17 @@ def accumulate_gradients(
     projector `P` and the small factors are averaged: `G^T P` for the batch's
     gradient `G`. On a refresh step (`state`'s `refresh`), every microbatch uses
     the same fresh projector, the one the range finder of `projected_cotangent`
-    would find from the batch's gradient with the same key: a first pass adds up
-    the sketches `G_i Ω`, two more the products `G_i^T Q` with their orthonormal
-    basis `Q` (its first `rank` columns, then the others), and the small SVD that
-    truncates the range finder's oversampling gives the projector, written over
-    the old one in place; then the pass of a step that keeps the projectors gives
-    the small factors. Either way the result equals the full batch's projected
-    gradient (`quax_tangents.optax.mark(params, state, key=key, iters=iters)` on
-    the whole batch) up to float rounding. A refresh step costs `4 + 2 * iters`
-    passes over the microbatches, other steps one (at `refresh_every=200`, 1%
-    more passes than one per step).
+    would find from the batch's gradient with the same key (with no oversampling,
+    as [`quax_tangents.optax.mark`][] draws it): a first pass adds up the sketches
+    `G_i Ω`, a second the products `G_i^T Q` with their orthonormal basis `Q`, and
+    the small SVD of that sum gives the projector, written over the old one in
+    place; then the pass of a step that keeps the projectors gives the small
+    factors. Either way the result equals the full batch's projected gradient
+    (`quax_tangents.optax.mark(params, state, key=key, iters=iters)` on the whole
+    batch) up to float rounding. A refresh step costs `3 + 2 * iters` passes over
+    the microbatches, other steps one (at `refresh_every=200`, 1% more passes than
+    one per step); the refresh's passes are the trips of one loop, so the
+    compiled step holds two copies of the model's pass whatever `iters`.
 
     A leaf that `dims=` views as other matrices than its last two dims is marked
     through its matrix view, as [`quax_tangents.optax.mark`][] marks it: its
@@ -427,84 +474,56 @@ def accumulate_gradients(
             layouts,
         )
 
-    def given(matrices: list) -> list:
-        return [None if q is None else GivenProjector(q) for q in matrices]
+    matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
+    if key_of:
+        keys = {i: _test_keys(plans[i], k) for i, k in key_of.items()}
 
-    def layout_of(i: int, x: Any, projector_side: bool) -> Any:
-        return _layout(layouts[i], plans[i], x, projector_side)
+        def modes(matrices: list, tests: list, phase: Any) -> list:
+            return [
+                PhasedPass(matrices[i], keys[i], phase, tests[i], key_impl)
+                if i in key_of
+                else None
+                for i in range(len(plans))
+            ]
 
-    def fresh(projectors: list) -> list:
-        """The new projectors of a refresh step, written over `projectors`."""
-        # Each slice's test matrix is drawn inside the model's pass, from its key.
-        first = [
-            DrawnSketch(_test_keys(plans[i], key_of[i]), key_impl)
-            if i in key_of
+        def trip(carry: tuple) -> tuple:
+            t, matrices, tests = carry
+            phase = _phase(t)
+            sums = run(modes(matrices, tests, phase))[2]
+            after = _after(t, phase, iters)
+            steps = _STEPS if iters else _STEPS[:2]
+            matrices, tests = list(matrices), list(tests)
+            for i in key_of:
+                layout = (layout_of(i, matrices[i], True), layout_of(i, sums[i], False))
+                matrices[i], tests[i] = _in_place_per_matrix(
+                    lambda mt, s: jax.lax.switch(after, steps, mt, s),
+                    (matrices[i], tests[i]),
+                    (sums[i],),
+                    layout,
+                )
+            return t + 1, matrices, tests
+
+        def layout_of(i: int, x: Any, projector_side: bool) -> Any:
+            return _layout(layouts[i], plans[i], x, projector_side)
+
+        # The refresh writes each new projector over the old one. Its last trip's
+        # products `B` would give the step's factors as `B U`, a trip fewer; but
+        # rotating them after the pass held more on the TPU compiler (see the
+        # module's docstring), so the step's own pass follows, as on every step.
+        tests = [
+            jnp.zeros(plans[i].factor_shape, leaves[i].dtype)
+            if iters and i in key_of
             else None
             for i in range(len(plans))
         ]
-
-        def orthonormal(parts: list, projector_side: bool = True) -> list:
-            # The projected leaves' parts only, laid out as the sums they replace.
-            return [
-                _orthonormal(x, leaves[i].dtype, layout_of(i, x, projector_side))
-                if i in key_of
-                else None
-                for i, x in enumerate(parts)
-            ]
-
-        def sketch(tests: list) -> list:
-            return [None if o is None else GivenSketch(o) for o in tests]
-
-        bases = orthonormal(run(first)[2])
-        for _ in range(iters):
-            tests = orthonormal(run(given(bases))[2], projector_side=False)
-            bases = orthonormal(run(sketch(tests))[2])
-        # The first `rank` columns of each basis are written over the old projector,
-        # whose buffer is not read again; the oversampling's few columns (at least
-        # one: a projected leaf's smaller side exceeds its rank) go apart. One pass
-        # with the whole basis instead, a pass fewer, held 23.98 against 22.84 GiB
-        # at 7B for one TPU v5p chip (the basis beside the old projector) and
-        # compiled in 65 against 67 s; at 1B on v5e, 6.73 GiB either way with 4
-        # microbatches, 6.75 against 7.16 with one
-        # (`benchmarks/bench_scale.py --target tpu-v5p --models 7B`).
-        main, extra = [], []
-        for i, (q, old) in enumerate(zip(bases, projectors)):
-            if i not in key_of:
-                main.append(None)
-                extra.append(None)
-                continue
-            rank = plans[i].rank
-            assert q.shape[-1] > rank
-            main.append(_write_columns(old, q, rank, layout_of(i, old, True)))
-            extra.append(q[..., rank:])
-        products = run(given(main))[2]
-        extra_products = run(given(extra))[2]
-        new = []
-        for i, old in enumerate(projectors):
-            if i not in key_of:
-                new.append(old)
-                continue
-            truncate = functools.partial(_truncate, rank=plans[i].rank)
-            operands = (main[i], extra[i], products[i], extra_products[i])
-            layout = layout_of(i, old, True)
-            new.append(_in_place_per_matrix(truncate, operands, layout))
-        return new
-
-    if key_of:
-        # The refresh is the true branch of a `lax.cond`; the pass with the new
-        # projectors (or the kept ones) follows it. Computing the step's factors
-        # from the refresh's own last pass instead (`B U`, two passes in all) held
-        # more: 8.29 against 6.81 GiB at 1B for one TPU v5e chip
-        # (`benchmarks/bench_scale.py --target tpu-v5e --models 1B`), its branch
-        # holding the basis, its products, the projectors and the factors at once.
-        projectors = jax.lax.cond(
-            jnp.asarray(inner.refresh, bool),
-            fresh,
-            lambda current: list(current),
-            list(projectors),
+        trips = jnp.where(jnp.asarray(inner.refresh, bool), 2 + 2 * iters, 0)
+        _, matrices, _ = jax.lax.while_loop(
+            lambda carry: carry[0] < trips, trip, (jnp.int32(0), matrices, tests)
         )
-    matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
-    loss, aux, factors = run(given(matrices))
+        given = jnp.int32(PHASE_GIVEN)
+        loss, aux, factors = run(modes(matrices, [None] * len(plans), given))
+    else:
+        loss, aux, factors = run([None] * len(plans))
     grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads

@@ -85,7 +85,13 @@ def _mark_leaf(
         leaf,
         plan,
         lambda w: projected_cotangent(
-            w, plan.rank, projector=Projector(projector, refresh), key=key, iters=iters
+            w,
+            plan.rank,
+            projector=Projector(projector, refresh),
+            key=key,
+            iters=iters,
+            # As `accumulate_gradients` finds it: its sums have `rank` columns.
+            oversample=0,
         ),
     )
 

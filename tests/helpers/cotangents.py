@@ -21,13 +21,7 @@ from quax_tangents._marks._projection import (
     projection_p,
     rows_p,
 )
-from quax_tangents._marks._sources import (
-    Fresh,
-    Given,
-    GivenInto,
-    SketchKeyInto,
-    Switch,
-)
+from quax_tangents._marks._sources import Fresh, Given, Phased, Switch
 from quax_tangents._types.outer import OuterSum
 from tests.helpers import float_dtypes, random_array, seeds
 from tests.helpers.cases import Case, case
@@ -205,22 +199,21 @@ def _finish_rows():
 
 @st.composite
 def _into_operands(draw, shape, batch):
-    """A `GivenInto` or `SketchKeyInto` spec for a matrix of `shape` (stacked
-    over `batch`) and its operands: a projector (or key data) and a running sum."""
+    """A `Phased` spec for a matrix of `shape` (stacked over `batch`), in a drawn
+    phase, and its operands: a projector (or basis), key data, the phase, test
+    matrices when drawn with them, and a running sum."""
     m, n = shape
     small, large = min(m, n), max(m, n)
     rank = draw(st.integers(1, small))
-    if draw(st.booleans()):
-        projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, small, rank)))
-        total = random_array(draw(seeds()), (*batch, large, rank))
-        return Finish("projected", rank, 0, GivenInto()), (projector[0], total)
-    oversample = draw(st.integers(0, 4))
-    width = min(rank + oversample, m, n)
+    tested = draw(st.booleans())
+    phase = jnp.int32(draw(st.integers(0, 2 if tested else 1)))
+    projector = jnp.linalg.qr(random_array(draw(seeds()), (*batch, small, rank)))[0]
     keys = jax.random.split(jax.random.key(draw(seeds())), math.prod(batch))
     key = jax.random.key_data(keys).reshape((*batch, -1))
-    sums = random_array(draw(seeds()), (*batch, small, width))
-    spec = Finish("projected", rank, 0, SketchKeyInto(), "threefry2x32", oversample)
-    return spec, (key, sums)
+    tests = (random_array(draw(seeds()), (*batch, large, rank)),) if tested else ()
+    total = random_array(draw(seeds()), (*batch, large, rank))
+    spec = Finish("projected", rank, 0, Phased(tested=tested), "threefry2x32", 0)
+    return spec, (projector, key, phase, *tests, total)
 
 
 def _projected_factor_fn(spec):
@@ -261,8 +254,8 @@ def _projection():
         side, other, rank = (draw(st.integers(1, 5)) for _ in range(3))
         projector = random_array(draw(seeds()), (*batch, side, rank))
         factor = random_array(draw(seeds()), (*batch, other, rank))
-        left, tagged = draw(st.booleans()), draw(st.booleans())
-        fn = lambda p, f: projection_p.bind(p, f, left=left, tagged=tagged)  # noqa: E731
+        left = draw(st.booleans())
+        fn = lambda p, f: projection_p.bind(p, f, left=left)  # noqa: E731
         return Case(fn, (projector, factor), out_type=qt.LowRank, factor=2.0)
 
     return draw_case()

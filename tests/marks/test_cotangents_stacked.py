@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
-from quax_tangents._marks._sources import GivenInto, SketchKey, SketchKeyInto
+from quax_tangents._marks._sources import PHASE_DRAWN, PHASE_GIVEN, PHASE_TESTED, Phased
 from tests.helpers import assert_close, random_array
 from tests.helpers.stacked import (
     orthonormal,
@@ -505,18 +505,50 @@ def test_the_gradient_through_any_view_matches_dense(data):
 # A projection that adds into a running sum (`accumulate_gradients`' steady passes)
 
 
-@settings(max_examples=6, deadline=None)
+def _phased(rank, tested=False):
+    from quax_tangents._marks._projection import Finish
+
+    return Finish("projected", rank, 0, Phased(tested=tested), "threefry2x32", 0)
+
+
+def _key_data(seed, batch):
+    keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(batch))))
+    return keys, jax.random.key_data(keys).reshape(*batch, 2)
+
+
+def _phase_product(phase, g, projector, tests, keys, rank):
+    """The dense product a `Phased` finish adds to its sum, for `g` `(*batch,
+    small, large)`: `g^T P`, or the sketch `g Ω` (`g T`) in the first rows."""
+    from quax_tangents._marks._projection import test_matrix
+
+    small, large = g.shape[-2:]
+    if phase == PHASE_GIVEN:
+        return jnp.swapaxes(g, -1, -2) @ projector
+    if phase == PHASE_DRAWN:
+        draw = lambda k: test_matrix(k, (small, large), rank, 0)  # noqa: E731
+        tests = jax.vmap(draw)(keys).reshape(*g.shape[:-2], large, rank)
+    sketch = g @ tests
+    rest = jnp.zeros((*g.shape[:-2], large - small, rank), sketch.dtype)
+    return jnp.concatenate([sketch, rest], axis=-2)
+
+
+@settings(max_examples=8, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     batch=st.sampled_from([(), (3,)]),
     sides=st.sampled_from([(4, 7), (7, 4)]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    phase=st.sampled_from([PHASE_GIVEN, PHASE_DRAWN, PHASE_TESTED]),
 )
-def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, dtype):
-    # `finish` with source `GivenInto` on the total cotangent, an `OuterSum` or a
-    # dense array, against the dense computation: the sum plus `G^T P` (`G Q` for a
-    # tall weight), the projector as given.
-    from quax_tangents._marks._projection import Finish, project_dense, project_outer
+def test_a_phased_finish_adds_its_phases_product_to_the_sum(
+    seed, batch, sides, dtype, phase
+):
+    # `finish` with source `Phased` on the total cotangent, an `OuterSum` or a dense
+    # array, against the dense computation: the sum plus `G^T P` (`G Q` for a tall
+    # weight), the projector as given; or plus the sketch `G Ω` with each slice's
+    # test matrix drawn from its key as the range finder draws it (`G T` with the
+    # test matrices given), in the sum's first rows.
+    from quax_tangents._marks._projection import project_dense, project_outer
     from quax_tangents._types.outer import OuterSum
 
     m, n = sides
@@ -525,16 +557,22 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
     right = random_array(seed + 1, (*batch, n, 5)).astype(dtype)
     projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
     projector = projector.astype(dtype)
+    tests = random_array(seed + 4, (*batch, large, rank)).astype(dtype)
     total = random_array(seed + 3, (*batch, large, rank)).astype(dtype)
+    keys, key_data = _key_data(seed, batch)
     dense = jnp.einsum(
         "...ik,...jk->...ij", left, right, preferred_element_type=jnp.float32
     )
-    wide = jnp.swapaxes(dense, -1, -2) if m <= n else dense
-    expected = total.astype(jnp.float32) + wide @ projector.astype(jnp.float32)
-    spec = Finish("projected", rank, 0, GivenInto())
+    g = dense if m <= n else jnp.swapaxes(dense, -1, -2)
+    product = _phase_product(
+        phase, g, projector.astype(jnp.float32), tests.astype(jnp.float32), keys, rank
+    )
+    expected = total.astype(jnp.float32) + product
+    operands = (projector, key_data, jnp.int32(phase), tests, total)
+    spec = _phased(rank, tested=True)
     for got in (
-        project_outer(spec, OuterSum(left, right), (projector, total)),
-        project_dense(spec, dense.astype(dtype), (projector, total)),
+        project_outer(spec, OuterSum(left, right), operands),
+        project_dense(spec, dense.astype(dtype), operands),
     ):
         factor, basis = (got.right, got.left) if m <= n else (got.left, got.right)
         assert got.projector_side == ("left" if m <= n else "right")
@@ -542,56 +580,24 @@ def test_a_given_into_finish_adds_the_projection_to_the_sum(seed, batch, sides, 
         assert_close(factor, expected, dtype, factor=4)
 
 
-@settings(max_examples=6, deadline=None)
-@given(
-    seed=st.integers(0, 2**16),
-    batch=st.sampled_from([(), (3,)]),
-    sides=st.sampled_from([(4, 7), (7, 4)]),
-)
-def test_a_sketch_key_finish_is_the_sketch_with_the_range_finders_test_matrix(
-    seed, batch, sides
-):
-    # `finish` with source `SketchKey` draws each slice's test matrix `Ω` from its
-    # key, as the range finder does, and gives `LowRank(G Ω, Ω)` (`(Ω, G^T Ω)` for a
-    # tall weight): checked against the dense product with the same draws.
-    from quax_tangents._marks._projection import Finish, project_outer, test_matrix
-    from quax_tangents._types.outer import OuterSum
-
-    m, n = sides
-    small, large, rank = min(m, n), max(m, n), 2
-    left, right = (
-        random_array(seed, (*batch, m, 5)),
-        random_array(seed + 1, (*batch, n, 5)),
-    )
-    keys = jax.random.split(jax.random.key(seed), max(1, int(np.prod(batch))))
-    keys = keys.reshape(batch) if batch else keys[0]
-    got = project_outer(
-        Finish("projected", rank, 0, SketchKey(), "threefry2x32", 4),
-        OuterSum(left, right),
-        (jax.random.key_data(keys),),
-    )
-    draw = lambda k: test_matrix(k, (small, large), rank, 4)  # noqa: E731
-    omega = jax.vmap(draw)(keys) if batch else draw(keys)
-    dense = jnp.einsum("...ik,...jk->...ij", left, right)
-    wide = dense if m <= n else jnp.swapaxes(dense, -1, -2)
-    sketch, test = (got.left, got.right) if m <= n else (got.right, got.left)
-    assert_close(test, omega)
-    assert_close(sketch, wide @ omega, factor=4)
-
-
 # ---------------------------------------------------------------------------------------
-# A `GivenInto` mark on a stack that a scan slices: projected layer by layer in the
+# A `Phased` mark on a stack that a scan slices: projected layer by layer in the
 # scan's backward pass (`quax_tangents._marks._marked_scan.scan_with_projected_xs`)
 
 
-def _given_into(projectors, totals):
+def _given_into(projectors, totals, phase=PHASE_GIVEN):
     from quax_tangents._marks._cotangents import bind_mark
-    from quax_tangents._marks._projection import Finish
 
-    spec = Finish("projected", R, 0, GivenInto())
+    batch = projectors["w"].shape[:-2]
+    _, key_data = _key_data(5, batch)
+    operands = lambda name: (  # noqa: E731
+        projectors[name],
+        key_data,
+        jnp.int32(phase),
+        totals[name],
+    )
     return lambda params: {
-        name: bind_mark(spec, w, (projectors[name], totals[name]))
-        for name, w in params.items()
+        name: bind_mark(_phased(R), w, operands(name)) for name, w in params.items()
     }
 
 
@@ -650,11 +656,11 @@ def test_a_given_into_stack_used_in_and_out_of_a_scan_raises(scans_projected):
 )
 def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, sides):
     # `projected_factor` of an `OuterSum` (its quax rule) against its dense semantics
-    # on the materialised cotangent, and `projection` (a `LowRank` under quax)
-    # against the dense product of its factors.
+    # on the materialised cotangent, in each phase, and `projection` (a `LowRank`
+    # under quax) against the dense product of its factors.
     import quax
 
-    from quax_tangents._marks._projection import Finish, projected_factor, projection
+    from quax_tangents._marks._projection import projected_factor, projection
     from quax_tangents._types.outer import OuterSum
 
     m, n = sides
@@ -663,23 +669,18 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     right = random_array(seed + 1, (*batch, n, 5))
     projector = jnp.linalg.qr(random_array(seed + 2, (*batch, small, rank)))[0]
     total = random_array(seed + 3, (*batch, large, rank))
-    spec = Finish("projected", rank, 0, GivenInto())
     outer = OuterSum(left, right)
-    got = quax.quaxify(lambda c: projected_factor(c, projector, total, spec))(outer)
-    expected = projected_factor(outer.materialise(), projector, total, spec)
-    assert_close(got, expected)
-    wide = jnp.swapaxes(outer.materialise(), -1, -2) if m <= n else outer.materialise()
-    assert_close(expected, total + wide @ projector)
-    # The same for a sketch whose test matrix is drawn from a key.
-    width = min(rank + 4, m, n)
-    key_data = jax.random.key_data(jax.random.key(seed)).reshape(
-        (1,) * len(batch) + (2,)
-    )
-    key_data = jnp.broadcast_to(key_data, (*batch, 2))
-    sums = random_array(seed + 4, (*batch, small, width))
-    sketch = Finish("projected", rank, 0, SketchKeyInto(), "threefry2x32", 4)
-    got = quax.quaxify(lambda c: projected_factor(c, key_data, sums, sketch))(outer)
-    assert_close(got, projected_factor(outer.materialise(), key_data, sums, sketch))
+    keys, key_data = _key_data(seed, batch)
+    g = outer.materialise() if m <= n else jnp.swapaxes(outer.materialise(), -1, -2)
+    for phase in (PHASE_GIVEN, PHASE_DRAWN):
+        operands = (projector, key_data, jnp.int32(phase))
+        fn = lambda c, operands=operands: projected_factor(  # noqa: E731
+            c, operands, total, _phased(rank)
+        )
+        expected = fn(outer.materialise())
+        assert_close(quax.quaxify(fn)(outer), expected)
+        product = _phase_product(phase, g, projector, None, keys, rank)
+        assert_close(expected, total + product)
     for is_left in (True, False):
         lowrank = quax.quaxify(
             lambda p, f, is_left=is_left: projection(p, f, is_left),
@@ -726,40 +727,26 @@ def test_a_given_into_stack_keeps_no_stacked_factors(scans_projected):
 
 
 @pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
-def test_a_sketch_into_stack_scanned_over_is_sketched_layer_by_layer(
+def test_a_sketch_phase_stack_scanned_over_is_sketched_layer_by_layer(
     batch, scans_projected
 ):
-    # A `SketchKeyInto` mark (a refresh step's first pass): `S + G Ω` (`S + G^T Ω`
-    # for a tall weight) slice by slice, with each slice's test matrix drawn from its
-    # key as the range finder draws it, against the dense gradient.
-    from quax_tangents._marks._cotangents import bind_mark
-    from quax_tangents._marks._projection import Finish, test_matrix
-
-    params = stacked_params(batch, M, N)
-    count = int(np.prod(batch))
-    keys = jax.random.split(jax.random.key(5), count)
-    key_data = jax.random.key_data(keys).reshape(*batch, 2)
-    width = min(R + 4, M, N)
-    totals = {
-        "w": random_array(6, (*batch, M, width)),
-        "v": random_array(7, (*batch, M, width)),
-    }
-    spec = Finish("projected", R, 0, SketchKeyInto(), "threefry2x32", 4)
-
-    def mark(params):
-        return {
-            name: bind_mark(spec, w, (key_data, totals[name]))
-            for name, w in params.items()
-        }
-
+    # A `Phased` mark in its sketch phase (a refresh step's first pass): `S + G Ω`
+    # (`S + G^T Ω` for a tall weight) in the sum's first rows, slice by slice, with
+    # each slice's test matrix drawn from its key as the range finder draws it,
+    # against the dense gradient.
+    params, projectors, totals = (
+        stacked_params(batch, M, N),
+        _projectors(batch),
+        _totals(batch),
+    )
+    mark = _given_into(projectors, totals, PHASE_DRAWN)
     with qt.fallback("error"):
         grads = jax.jit(qt.grad(_loss), static_argnums=(1, 2))(params, mark, True)
     assert scans_projected
     dense = jax.jit(jax.grad(_loss), static_argnums=(1, 2))(params, None, True)
-    omegas = jax.vmap(lambda k: test_matrix(k, (M, N), R, 4))(keys)
-    omegas = omegas.reshape(*batch, N, width)
+    keys, _ = _key_data(5, batch)
     for name, side in SIDES.items():
         g = dense[name] if side == "left" else jnp.swapaxes(dense[name], -1, -2)
-        expected = totals[name] + g @ omegas
-        sketch = grads[name].left if side == "left" else grads[name].right
+        expected = totals[name] + _phase_product(PHASE_DRAWN, g, None, None, keys, R)
+        sketch = grads[name].right if side == "left" else grads[name].left
         assert_close(sketch, expected)

@@ -330,28 +330,37 @@ def _passes(jaxpr, length):
 
 
 @pytest.mark.parametrize("iters", [0, 1])
-def test_a_refresh_is_a_cond_branch_of_3_plus_2_iters_passes(iters):
-    # Plain control flow: a `lax.cond` whose refresh branch sketches (one pass),
-    # makes `2 * iters` passes of power iterations, then two with the basis (its
-    # `rank` columns, its oversampling's); the other branch keeps the projectors;
-    # then the one pass every step makes.
+def test_a_refresh_is_a_loop_of_2_plus_2_iters_trips_of_one_pass(iters):
+    # Plain control flow: a `while_loop` whose body holds one pass over the
+    # microbatches, run `2 + 2 * iters` times on a refresh (sketch, power
+    # iterations, basis) and not at all on other steps; then the one pass every step
+    # makes. Two compiled passes in all, whatever `iters`.
     params = stacked_params((3,), 24, 40)
     tx = qto.projected(optax.scale_by_adam(), rank=3, learning_rate=1e-2)
     microbatches = random_array(5, (2, 4, 24))
+    calls = []
 
     def loss(p, batch):
+        jax.debug.callback(lambda: calls.append(1))
         return jnp.mean(scanned(batch, p) ** 2)
 
-    jaxpr = jax.make_jaxpr(
-        lambda p, s, mb: qto.accumulate_gradients(
+    def step(p, s, mb):
+        return qto.accumulate_gradients(
             loss, p, s, mb, key=jax.random.key(0), iters=iters
         )
-    )(params, tx.init(params), microbatches)
-    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    assert len(conds) == 1
-    keep, refresh = (_passes(b.jaxpr, 2) for b in conds[0].params["branches"])
-    assert (keep, refresh) == (0, 3 + 2 * iters)
-    assert _passes(jaxpr.jaxpr, 2) == refresh + 1
+
+    state = tx.init(params)
+    jaxpr = jax.make_jaxpr(step)(params, state, microbatches)
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    assert len(loops) == 1
+    assert _passes(loops[0].params["body_jaxpr"].jaxpr, 2) == 1
+    assert _passes(jaxpr.jaxpr, 2) == 2
+    for refresh, trips in ((True, 2 + 2 * iters), (False, 0)):
+        calls.clear()
+        jax.block_until_ready(
+            step(params, state._replace(refresh=jnp.asarray(refresh)), microbatches)
+        )
+        assert len(calls) == 2 * (trips + 1)
 
 
 def _one_layer(h, w):

@@ -109,16 +109,23 @@ def test_mark_splits_one_key_per_projected_leaf():
             p,
             (
                 qt.sparse_rows_cotangent(p.embedding.weight),
-                # `qto.mark`'s default: no power iteration, as accumulation.
+                # `qto.mark`'s default: no power iteration and no oversampling, as
+                # accumulation.
                 qt.projected_cotangent(
                     p.hidden.weight,
                     RANK,
                     projector=shown.hidden.weight,
                     key=hidden_key,
                     iters=0,
+                    oversample=0,
                 ),
                 qt.projected_cotangent(
-                    p.out.weight, RANK, projector=shown.out.weight, key=out_key, iters=0
+                    p.out.weight,
+                    RANK,
+                    projector=shown.out.weight,
+                    key=out_key,
+                    iters=0,
+                    oversample=0,
                 ),
             ),
         )
