@@ -253,12 +253,15 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
     shift = shift + jnp.finfo(dtype).tiny
     r = jnp.linalg.cholesky(g + shift * eye).T
     q = matmul(q, solve_triangular(r, eye, lower=False))
-    for _ in range(2):
+
+    def orthonormalised(_: Any, q: Array) -> Array:
         lam, v = symmetric_eigh(gram(q))
         keep = lam > (10 * w * eps) * jnp.max(lam)
         scale = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, lam, 1)), 0)
-        q = matmul(q, v * scale)
-    return q
+        return matmul(q, v * scale)
+
+    # A loop, not two copies: the eigendecomposition is most of the compile.
+    return jax.lax.fori_loop(0, 2, orthonormalised, q)
 
 
 def column_signs(p: Float[Array, "*batch m r"]) -> Float[Array, "*batch 1 r"]:

@@ -18,14 +18,16 @@ marks draw it), step for step; only the order of additions differs. (Written for
 `m <= n`; a tall weight is projected on its columns, `G^T`.)
 
 Every pass marks each projected matrix with one `Phased` mark whose phase, an
-operand, picks the product (`G^T M`, `G Ω`, `G T`): the refresh's `2 + 2 * iters`
-passes are the trips of one `while_loop` around one compiled pass, and its last
-trip writes `P`. The pass every step makes follows, with `P` (`G^T P`, which is
-`B U`): `3 + 2 * iters` passes on a refresh, one on other steps, and two compiled
-copies of the model's pass. The factors of the refresh's last trip, rotated
-(`B U`), would save that pass, but the rotation of the stack after the pass held
-0.36 GiB more at 1B for one TPU v5e chip, in every form tried
-(`benchmarks/bench_scale.py --target tpu-v5e --models 1B`).
+operand, picks the product (`G^T M`, `G Ω`, `G T`), and every pass is a trip of one
+`while_loop` over (trip, microbatch) around the one compiled copy of the model's
+pass: one trip on a step that keeps the projectors; on a refresh, the range
+finder's `2 + 2 * iters`, the last writing `P`, then the step's own with `P`
+(`G^T P`, which is `B U`): `3 + 2 * iters` passes. The loop carries the running
+sums and zeroes them at each trip's first microbatch, in place: a loop over trips
+around a loop over microbatches held the sums of both at once (0.84 GiB more at 1B
+for one TPU v5e chip). Rotating the refresh's last factors (`B U`) instead of the
+step's own pass held 0.36 GiB more there (`benchmarks/bench_scale.py --target
+tpu-v5e --models 1B`).
 """
 
 import math
@@ -39,15 +41,9 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
-from .._core._layout import constrain, drop_leading, explicit_sharding
-from .._core._sharding import (
-    column_signs,
-    like,
-    orthonormal_columns,
-    top_left_singular,
-)
+from .._core._layout import constrain, explicit_sharding
 from .._core._unchecked import unchecked
-from .._marks._sources import PHASE_DRAWN, PHASE_GIVEN, PHASE_TESTED
+from .._marks._sources import PHASE_GIVEN
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
@@ -55,6 +51,14 @@ from ._galore_leaves import LeafPlan
 from ._mark import flatten_as, leaf_keys, plan_leaves
 from ._passes import PhasedPass, mark_leaf
 from ._projected import find_state
+from ._refresh import (
+    KEEP,
+    STEPS,
+    PerMatrix,
+    in_place_per_matrix,
+    refresh_phase,
+    step_after,
+)
 
 
 _WHERE = "`quax_tangents.optax.accumulate_gradients`"
@@ -66,51 +70,6 @@ def _test_keys(plan: LeafPlan, key: Any) -> Array:
     if plan.batch:
         key = jax.random.split(key, math.prod(plan.batch)).reshape(plan.batch)
     return jax.random.key_data(key)
-
-
-def _in_place_per_matrix(
-    fn: Callable, buffers: tuple, inputs: tuple, layouts: tuple
-) -> tuple:
-    """`fn(buffers, inputs)` of each matrix (the last two dims) of the stacks, one
-    matrix after another, its results written over the matrices of `buffers`: the
-    float32 work is one matrix's size, no stack-sized buffer is added, and a
-    `lax.switch` inside `fn` copies one matrix, not the stacks (a switch over whole
-    stacks copies each). `fn` maps a tuple of matrices of `buffers` (None where a
-    buffer is None) and one of `inputs` to a tuple of the shapes and dtypes of the
-    first. `layouts`: each buffer's sharding, or None (a loop's buffer is
-    replicated unless constrained)."""
-
-    def laid_out(xs: tuple, shardings: tuple) -> tuple:
-        return tuple(
-            None if x is None else constrain(x, sharding)
-            for x, sharding in zip(xs, shardings)
-        )
-
-    batch = inputs[0].shape[:-2]
-    if not batch:
-        return laid_out(fn(buffers, inputs), layouts)
-    if len(batch) != 1:  # the layouts are of the stacks' own dims
-        layouts = (None,) * len(buffers)
-    per_matrix = tuple(drop_leading(sharding, 1) for sharding in layouts)
-    flatten = lambda x: None if x is None else x.reshape(-1, *x.shape[-2:])  # noqa: E731
-    flat_inputs = tuple(map(flatten, inputs))
-
-    def body(i: Any, stacks: tuple) -> tuple:
-        take = lambda x: (  # noqa: E731
-            None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-        )
-        outs = fn(tuple(map(take, stacks)), tuple(map(take, flat_inputs)))
-        written = tuple(
-            None if x is None else jax.lax.dynamic_update_index_in_dim(x, y, i, 0)
-            for x, y in zip(stacks, laid_out(outs, per_matrix))
-        )
-        return laid_out(written, layouts)
-
-    start = laid_out(tuple(map(flatten, buffers)), layouts)
-    flat = jax.lax.fori_loop(0, math.prod(batch), body, start)
-    return tuple(
-        None if x is None else x.reshape(b.shape) for x, b in zip(flat, buffers)
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,20 +99,30 @@ def _contribution(grad: Any, plan: LeafPlan | None, path: str) -> Any:
     return grad
 
 
-def _pass(
+def _trips(
     loss_fn: Callable,
     params: PyTree,
     microbatches: PyTree,
     plans: list,
     treedef: Any,
-    modes: list,
     has_aux: bool,
     by_layer: bool,
     shardings: list,
-) -> tuple[Array, Any, list]:
-    """(mean loss, stacked aux, mean contributions per leaf) over the microbatches.
-    `shardings`: per leaf, the weight's `NamedSharding` or None; each running sum is
-    laid out like its weight (see `quax_tangents._core._layout`)."""
+    modes: Callable[[Array, Any], list],
+    after: Callable[[Array, Array, Any, list], Any],
+    state: Any,
+    trips: Array,
+) -> tuple[Any, Array, Any, list]:
+    """`trips` passes over the microbatches in one `while_loop` over (trip,
+    microbatch), so that the model's pass is compiled once, whatever the trips.
+
+    Trip `t` marks the leaves with `modes(t, state)` (the marks add into the
+    running sums themselves); after each microbatch, `state = after(t, last,
+    state, sums)`, `last` saying whether it was the trip's last. Returns the final
+    `state` and, of the last trip, the mean loss, the aux stacked over the
+    microbatches and the mean contributions per leaf. `shardings`: per leaf, the
+    weight's `NamedSharding` or None; each running sum is laid out like its weight
+    (see `quax_tangents._core._layout`)."""
     paths = [
         jtu.keystr(p)
         for p, _ in jtu.tree_flatten_with_path(
@@ -164,7 +133,7 @@ def _pass(
     def layout(i: int, x: Any) -> Any:
         return _layout(shardings[i], plans[i], x, False)
 
-    def loss_of(params: PyTree, batch: Any, totals: list) -> Any:
+    def loss_of(params: PyTree, batch: Any, modes: list, totals: list) -> Any:
         leaves = treedef.flatten_up_to(params)
         marked = [
             mark_leaf(x, p, m, t, by_layer, layout(i, t))
@@ -172,52 +141,82 @@ def _pass(
         ]
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
-    value_and_grad = _ad.value_and_grad(loss_of, has_aux=has_aux)
+    value_and_grad = _ad.value_and_grad(loss_of, argnums=0, has_aux=has_aux)
     none = [None] * len(plans)
 
-    def one(batch: Any, totals: list = none) -> tuple[Array, Any, list]:
-        value, grads = value_and_grad(params, batch, totals)
+    def one(batch: Any, modes: list, totals: list = none) -> tuple[Array, Any, list]:
+        value, grads = value_and_grad(params, batch, modes, totals)
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
         parts = [_contribution(g, p, path) for g, p, path in zip(flat, plans, paths)]
         return loss, aux, parts
 
-    # The carry starts as zeros shaped like one microbatch's contributions.
+    k = jtu.tree_leaves(microbatches)[0].shape[0]
     first = jtu.tree_map(lambda x: x[0], microbatches)
-    shapes = jax.eval_shape(one, first)
+    shapes = jax.eval_shape(lambda b, s: one(b, modes(jnp.int32(0), s)), first, state)
     summed = [not isinstance(s, SparseRows) for s in shapes[2]]
     # Each projected leaf's mark adds its product into the sum itself.
     into = [p is not None and p.kind == "project" for p in plans]
 
-    def body(carry: Any, batch: Any) -> tuple[Any, Any]:
-        loss_sum, sums = carry
-        totals = [s if i else None for s, i in zip(sums, into)]
-        loss, aux, parts = one(batch, totals)
+    def stacked(x: Any) -> Any:
+        return jnp.zeros((k, *x.shape), x.dtype)
+
+    def body(carry: tuple) -> tuple:
+        j, state, loss_sum, sums, aux, rows = carry
+        t, i = j // k, j % k
+        # A trip starts its sums from zero (in place: the carry's own buffers).
+        start = i == 0
+        loss_sum = jnp.where(start, jnp.zeros_like(loss_sum), loss_sum)
         sums = [
-            constrain(x if i else s + x, layout(k, x))
-            if x is not None and (add or i)
-            else None
-            for k, (s, x, add, i) in enumerate(zip(sums, parts, summed, into))
+            None if s is None else jnp.where(start, jnp.zeros_like(s), s) for s in sums
         ]
-        rows = [None if add else x for x, add in zip(parts, summed)]
-        return (loss_sum + loss, sums), (aux, rows)
+        batch = jtu.tree_map(
+            lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), microbatches
+        )
+        totals = [s if add else None for s, add in zip(sums, into)]
+        loss, one_aux, parts = one(batch, modes(t, state), totals)
+        sums = [
+            constrain(x if add else s + x, layout(n, x))
+            if x is not None and (keep or add)
+            else None
+            for n, (s, x, keep, add) in enumerate(zip(sums, parts, summed, into))
+        ]
+        put = lambda buffer, x: jax.lax.dynamic_update_index_in_dim(buffer, x, i, 0)  # noqa: E731
+        aux = jtu.tree_map(put, aux, one_aux)
+        rows = [
+            r if keep else jtu.tree_map(put, r, x)
+            for r, x, keep in zip(rows, parts, summed)
+        ]
+        state = after(t, i == k - 1, state, sums)
+        return j + 1, state, loss_sum + loss, sums, aux, rows
 
     zeros = [
-        constrain(jnp.zeros(s.shape, s.dtype), layout(k, s))
-        if add and s is not None
+        constrain(jnp.zeros(s.shape, s.dtype), layout(n, s))
+        if keep and s is not None
         else None
-        for k, (s, add) in enumerate(zip(shapes[2], summed))
+        for n, (s, keep) in enumerate(zip(shapes[2], summed))
     ]
-    init = (jnp.zeros(shapes[0].shape, shapes[0].dtype), zeros)
-    (loss_sum, sums), (aux, rows) = jax.lax.scan(body, init, microbatches)
-    k = jtu.tree_leaves(microbatches)[0].shape[0]
+    rows = [
+        None if keep else jtu.tree_map(stacked, s) for s, keep in zip(shapes[2], summed)
+    ]
+    init = (
+        jnp.int32(0),
+        state,
+        jnp.zeros(shapes[0].shape, shapes[0].dtype),
+        zeros,
+        jtu.tree_map(stacked, shapes[1]),
+        rows,
+    )
+    _, state, loss_sum, sums, aux, rows = jax.lax.while_loop(
+        lambda carry: carry[0] < trips * k, body, init
+    )
     means = [
-        constrain((s / k).astype(s.dtype), layout(i, s))
-        if add and s is not None
+        constrain((s / k).astype(s.dtype), layout(n, s))
+        if keep and s is not None
         else _rows_mean(r, k)
-        for i, (s, r, add) in enumerate(zip(sums, rows, summed))
+        for n, (s, r, keep) in enumerate(zip(sums, rows, summed))
     ]
-    return loss_sum / k, aux, means
+    return state, loss_sum / k, aux, means
 
 
 def _layout(sharding: Any, plan: LeafPlan | None, x: Any, projector_side: bool) -> Any:
@@ -246,75 +245,6 @@ def _rows_mean(stacked: Any, k: int) -> Any:
 
 # ---------------------------------------------------------------------------------------
 # Steady and refresh steps
-
-
-# ---------------------------------------------------------------------------------------
-# A refresh: the range finder's `2 + 2 * iters` trips of the pass (a sketch `G Ω`;
-# per power iteration `G^T Q` then `G T`; last `B = G^T Q`), each the same compiled
-# pass with its phase as an operand, in one `while_loop`
-
-
-def _phase(t: Array) -> Array:
-    """The phase of a refresh's trip `t`: `PHASE_DRAWN` first, then `PHASE_GIVEN`
-    and `PHASE_TESTED` in turn, ending on `PHASE_GIVEN`."""
-    alternate = jnp.where(t % 2 == 1, PHASE_GIVEN, PHASE_TESTED)
-    return jnp.where(t == 0, PHASE_DRAWN, alternate).astype(jnp.int32)
-
-
-# What follows a trip, per matrix, as the index of a `lax.switch` over `_basis`,
-# `_truncate` and (with power iterations) `_tests`; each takes one matrix of the
-# basis `M` and of the test matrices `T` (or None), and of the trip's sum `S`.
-_BASIS, _TRUNCATE, _TESTS = 0, 1, 2
-
-
-def _after(t: Array, phase: Array, iters: int) -> Array:
-    given = jnp.where(t == 2 * iters + 1, _TRUNCATE, _TESTS)
-    return jnp.where(phase == PHASE_GIVEN, given, _BASIS).astype(jnp.int32)
-
-
-def _orthonormal(y: Array, dtype: Any) -> Array:
-    # The range finder's own orthonormalisation, so that the sums over microbatches
-    # give the projector one full batch gives.
-    work = y.astype(jnp.promote_types(y.dtype, jnp.float32))
-    return orthonormal_columns(work).astype(dtype)
-
-
-def _basis(mt: tuple, sums: tuple) -> tuple:
-    """After a sketch: the basis `Q = orth(G Ω)` (or `orth(G T)`) of the sketch in
-    the sum's first rows."""
-    (m, t), (s,) = mt, sums
-    return _orthonormal(s[: m.shape[0]], m.dtype), t
-
-
-def _tests(mt: tuple, sums: tuple) -> tuple:
-    """After `G^T Q` within a power iteration: the test matrix `T = orth(G^T Q)`."""
-    (m, t), (s,) = mt, sums
-    return m, _orthonormal(s, t.dtype)
-
-
-def _truncate(mt: tuple, sums: tuple) -> tuple:
-    """After the last `B = G^T Q`, the range finder's last step: `U` the top left
-    singular vectors of `B^T`, and the new projector `P = Q U` with its sign
-    convention (as `quax_tangents.projected_cotangent`'s range finder)."""
-    (m, t), (s,) = mt, sums
-    work = jnp.promote_types(m.dtype, jnp.float32)
-    p = m.astype(work) @ top_left_singular(s.astype(work).T, m.shape[-1])
-    return (p * column_signs(p)).astype(m.dtype), t
-
-
-def _laid_out_as_given(step: Callable) -> Callable:
-    """`step` whose matrices come out laid out as they came in: under explicit mesh
-    axes the branches of a switch must agree in layout."""
-
-    def laid_out(mt: tuple, sums: tuple) -> tuple:
-        return tuple(
-            None if y is None else like(y, x) for y, x in zip(step(mt, sums), mt)
-        )
-
-    return laid_out
-
-
-_STEPS = tuple(map(_laid_out_as_given, (_basis, _truncate, _tests)))
 
 
 def _leaf_shardings(shardings: Any, treedef: Any, plans: list, leaves: list) -> list:
@@ -376,7 +306,7 @@ def accumulate_gradients(
     shardings: PyTree | None = None,
 ) -> tuple[Any, PyTree]:
     """The loss and gradient of a batch split into `k` microbatches, inside one step,
-    in the form [`quax_tangents.optax.projected`][] takes: a `lax.scan` over the
+    in the form [`quax_tangents.optax.projected`][] takes: a loop over the
     microbatches whose carry holds, per projected weight, only the small factor
     `(*batch, max(m, n), width)`, never a weight-shaped buffer.
 
@@ -393,8 +323,8 @@ def accumulate_gradients(
     (`quax_tangents.optax.mark(params, state, key=key, iters=iters)` on the whole
     batch) up to float rounding. A refresh step costs `3 + 2 * iters` passes over
     the microbatches, other steps one (at `refresh_every=200`, 1% more passes than
-    one per step); the refresh's passes are the trips of one loop, so the
-    compiled step holds two copies of the model's pass whatever `iters`.
+    one per step); every pass is a trip of one loop, so the compiled step holds
+    one copy of the model's pass whatever `iters`.
 
     A leaf that `dims=` views as other matrices than its last two dims is marked
     through its matrix view, as [`quax_tangents.optax.mark`][] marks it: its
@@ -461,69 +391,67 @@ def accumulate_gradients(
     key_of = {i: keys[j] for j, i in enumerate(projected)}
     key_impl = str(jax.random.key_impl(keys))
 
-    def run(modes: list) -> tuple[Array, Any, list]:
-        return _pass(
-            loss_fn,
-            params,
-            microbatches,
-            plans,
-            treedef,
-            modes,
-            has_aux,
-            by_layer,
-            layouts,
-        )
-
     matrices = [q if i in key_of else None for i, q in enumerate(projectors)]
-    if key_of:
-        keys = {i: _test_keys(plans[i], k) for i, k in key_of.items()}
+    tests = [
+        jnp.zeros(plans[i].factor_shape, leaves[i].dtype)
+        if iters and i in key_of
+        else None
+        for i in range(len(plans))
+    ]
+    keys = {i: _test_keys(plans[i], k) for i, k in key_of.items()}
+    refresh = jnp.asarray(inner.refresh, bool)
 
-        def modes(matrices: list, tests: list, phase: Any) -> list:
-            return [
-                PhasedPass(matrices[i], keys[i], phase, tests[i], key_impl)
-                if i in key_of
-                else None
-                for i in range(len(plans))
-            ]
-
-        def trip(carry: tuple) -> tuple:
-            t, matrices, tests = carry
-            phase = _phase(t)
-            sums = run(modes(matrices, tests, phase))[2]
-            after = _after(t, phase, iters)
-            steps = _STEPS if iters else _STEPS[:2]
-            matrices, tests = list(matrices), list(tests)
-            for i in key_of:
-                layout = (layout_of(i, matrices[i], True), layout_of(i, sums[i], False))
-                matrices[i], tests[i] = _in_place_per_matrix(
-                    lambda mt, s: jax.lax.switch(after, steps, mt, s),
-                    (matrices[i], tests[i]),
-                    (sums[i],),
-                    layout,
-                )
-            return t + 1, matrices, tests
-
-        def layout_of(i: int, x: Any, projector_side: bool) -> Any:
-            return _layout(layouts[i], plans[i], x, projector_side)
-
-        # The refresh writes each new projector over the old one. Its last trip's
-        # products `B` would give the step's factors as `B U`, a trip fewer; but
-        # rotating them after the pass held more on the TPU compiler (see the
-        # module's docstring), so the step's own pass follows, as on every step.
-        tests = [
-            jnp.zeros(plans[i].factor_shape, leaves[i].dtype)
-            if iters and i in key_of
+    def modes(t: Array, state: tuple) -> list:
+        matrices, tests = state
+        phase = jnp.where(refresh, refresh_phase(t, iters), PHASE_GIVEN).astype(
+            jnp.int32
+        )
+        return [
+            PhasedPass(matrices[i], keys[i], phase, tests[i], key_impl)
+            if i in key_of
             else None
             for i in range(len(plans))
         ]
-        trips = jnp.where(jnp.asarray(inner.refresh, bool), 2 + 2 * iters, 0)
-        _, matrices, _ = jax.lax.while_loop(
-            lambda carry: carry[0] < trips, trip, (jnp.int32(0), matrices, tests)
+
+    def layout_of(i: int, x: Any, projector_side: bool) -> Any:
+        return _layout(layouts[i], plans[i], x, projector_side)
+
+    def after(t: Array, last: Array, state: tuple, sums: list) -> tuple:
+        """After a microbatch: on the last of a refresh's trip, the range finder's
+        step that follows it, per matrix (`STEPS`); otherwise nothing."""
+        action = jnp.where(last & refresh, step_after(t, iters), KEEP)
+        steps = STEPS if iters else STEPS[:3]
+        matrices, tests = list(state[0]), list(state[1])
+        entries = [
+            PerMatrix(
+                (matrices[i], tests[i]),
+                (sums[i],),
+                (layout_of(i, matrices[i], True), layout_of(i, sums[i], False)),
+            )
+            for i in key_of
+        ]
+        written = in_place_per_matrix(
+            lambda mt, s: jax.lax.switch(action, steps, mt, s), entries
         )
-        given = jnp.int32(PHASE_GIVEN)
-        loss, aux, factors = run(modes(matrices, [None] * len(plans), given))
-    else:
-        loss, aux, factors = run([None] * len(plans))
+        for i, (matrix, test) in zip(key_of, written):
+            matrices[i], tests[i] = matrix, test
+        return matrices, tests
+
+    trips = jnp.where(refresh, 3 + 2 * iters, 1) if key_of else jnp.int32(1)
+    (matrices, _), loss, aux, factors = _trips(
+        loss_fn,
+        params,
+        microbatches,
+        plans,
+        treedef,
+        has_aux,
+        by_layer,
+        layouts,
+        modes,
+        after,
+        (matrices, tests),
+        trips,
+    )
     grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads

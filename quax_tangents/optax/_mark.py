@@ -21,10 +21,21 @@ def _is_plan_leaf(x: Any) -> bool:
 
 def leaf_keys(key: PRNGKeyArray | None, state: ProjectedState, count: int) -> Any:
     """`count` keys, one per projected leaf, from `key`; without a key, from the step
-    count, so that each refresh draws new test matrices."""
+    count, so that each refresh draws new test matrices.
+
+    The keys are of the `rbg` implementation, whose bits come from XLA's
+    `RngBitGenerator`, one instruction: a range finder's test matrix is drawn per
+    layer inside the model's backward pass, and threefry's hash, drawn there for
+    each projected leaf, took 17 of the 52 s that the 1B step with 4 microbatches
+    compiled in for one TPU v5e chip (`benchmarks/bench_scale.py --target tpu-v5e
+    --models 1B`). Its bits differ between backends."""
     if key is None:
         key = jax.random.fold_in(jax.random.key(0), state.count)
-    return jax.random.split(key, max(count, 1))
+    keys = jax.random.split(key, (max(count, 1), 2))
+    # Two keys' data per leaf, whatever `key`'s implementation: an rbg key's four
+    # words.
+    data = jax.random.key_data(keys).reshape(max(count, 1), -1)[:, :4]
+    return jax.random.wrap_key_data(data, impl="rbg")
 
 
 def _paths(treedef: Any) -> list[str]:

@@ -100,7 +100,10 @@ def test_mark_splits_one_key_per_projected_leaf():
     params, static, tx = _setup()
     state = tx.init(params)
     key = jax.random.key(5)
-    hidden_key, out_key = jax.random.split(key, 2)
+    # One key per projected leaf, split from `key`, as `rbg` keys (two of `key`'s
+    # implementation's words each).
+    data = jax.random.key_data(jax.random.split(key, (2, 2))).reshape(2, -1)[:, :4]
+    hidden_key, out_key = jax.random.wrap_key_data(data, impl="rbg")
     shown = qto.projectors(state)
 
     def by_hand(p, batch):
