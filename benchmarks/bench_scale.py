@@ -52,6 +52,9 @@ import sys
 from _targets import TARGETS, is_tpu_target, target_devices
 
 
+# Trips over the microbatches of a projected refresh step (`iters=0`): the sketch,
+# the product with its basis, and the step's own pass.
+REFRESH_TRIPS = 3
 _NO_HOIST = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 _DEVICES = "--xla_force_host_platform_device_count=8"
 
@@ -486,16 +489,22 @@ def estimate(
     )
     received = received_keep = 0.0
     if devices > 1:
-        # Each collective's count is the product of its loops' trip counts; the
-        # projected step's refresh is the true branch of a `lax.cond` (1), a step
-        # that keeps the projectors the false one (0). Programs without a
-        # conditional count the same either way.
+        # Each collective's count is the product of its loops' trip counts. The
+        # projected step's passes are the trips of one loop over (trip,
+        # microbatch) whose count XLA does not know: `accumulation` on a step that
+        # keeps the projectors, whose switches all take their branch 0 (the
+        # product with the given projector, no range finder's step); three times
+        # as many on a refresh, counted here as three such passes: its sketch and
+        # range finder's steps take other branches, which one count over the
+        # loop cannot tell apart. Adam's step counts the same either way.
         received, received_keep = (
             sum(
                 qt.hlo.received_bytes(c, devices)
-                for c in qt.hlo.collectives(compiled, branch=branch)
+                for c in qt.hlo.collectives(
+                    compiled, unknown_trips=trips * accumulation, branch=branch
+                )
             )
-            for branch in (1, 0)
+            for trips, branch in ((REFRESH_TRIPS, 0), (1, 0))
         )
     return Estimate(
         config.name,
@@ -751,10 +760,11 @@ def why(results: list[Estimate], models: list[str], extra: dict) -> list[str]:
         "adds each microbatch's projection into a running sum of the small "
         "factors: the backward pass of the model's scan over layers projects each "
         "layer's gradient as it is made and adds it into that layer's slice of the "
-        "sum, so that one layer's factors are alive at a time. A refresh step is "
-        "the true branch of a `lax.cond`: a pass adds up the sketches, two more "
-        "the products with their orthonormal basis, whose small SVD gives the new "
-        "projectors; then the step's one pass gives the factors. `qto.layerwise` "
+        "sum, so that one layer's factors are alive at a time. Every pass is a "
+        "trip of one loop around one compiled pass: a refresh step adds up the "
+        "sketches, then the products with their orthonormal basis, whose small "
+        "SVD gives the new projectors; then the step's own pass gives the "
+        "factors. `qto.layerwise` "
         "runs the 8-bit "
         "transformation one layer's slice at a time; `qto.apply_updates` adds each "
         "layer's `left @ right.T` (a float32 matmul) into its slice of the donated "
@@ -804,7 +814,7 @@ def fsdp_table(results: list[Estimate]) -> list[str]:
     lines = [
         "| model | arm | devices | total per device GiB | ÷ adam's | falls by | "
         "held whole per device GiB | received per device, step that keeps the "
-        "projectors GiB | received per device, refresh step GiB | compile s |",
+        "projectors GiB | received per device, refresh step (three passes) GiB | compile s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -1026,11 +1036,12 @@ def report(
             "because its total is, not because more of it is held whole. XLA on CPU "
             "all-reduces each layer's factors whole before keeping the device's "
             "share (neither arm's compiled step has a reduce-scatter). Received "
-            "bytes are read from the compiled HLO with the refresh branch counted "
-            "as not taken (`qt.hlo.collectives(..., branch=0)`, a step that keeps the "
-            "projectors, 199 steps in 200 here) and as taken (`branch=1`: the "
-            "refresh makes two passes over the microbatches in place of the "
-            "step's one); Adam's step has no such branch. "
+            "bytes are read from the compiled HLO, on a step that keeps the "
+            "projectors (199 steps in 200 here: one trip over the microbatches, "
+            "every switch on its branch 0, `qt.hlo.collectives(..., branch=0)`) and "
+            "for a refresh step's three passes counted as three such trips (its "
+            "sketch and range finder's steps take other branches, which one count "
+            "over the loop cannot tell apart); Adam's step has no such branch. "
             "They are all-reduces of whole factors where a GPU's compiler would "
             "reduce-scatter.",
             "",
@@ -1110,7 +1121,7 @@ def fsdp_targets_table(runs: list[dict]) -> list[str]:
     )
     lines = [
         "| target | model | devices | arm | GiB per chip | ÷ adam | received per "
-        "chip per step, GiB | on a refresh step | compile s |",
+        "chip per step, GiB | on a refresh step (three passes) | compile s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     found = {_target_key(r): r for r in rows}
@@ -1186,8 +1197,12 @@ def render_targets(saved: dict) -> str:
                     "and state sharded on their largest divisible axis, microbatches "
                     "split, as in `bench_scale.md`. Bytes received per chip are the "
                     "sum over the compiled HLO's collectives (`qt.hlo.collectives`, "
-                    "`qt.hlo.received_bytes`), with the refresh branch counted as not "
-                    "taken (`branch=0`, 199 steps in 200) and as taken (`branch=1`).",
+                    "`qt.hlo.received_bytes`), on a step that keeps the projectors "
+                    "(199 steps in 200: one trip over the microbatches, every switch "
+                    "on its branch 0) and for a refresh step's three passes, counted "
+                    "as three such trips (its sketch and range finder's steps take "
+                    "other branches, which one count over the loop cannot tell "
+                    "apart).",
                     "",
                     *fsdp_targets_table(runs),
                     "",

@@ -10,6 +10,7 @@ import pathlib
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from tests.helpers.scripts import run_script
@@ -260,3 +261,17 @@ def test_oversample_benchmark_quick(tmp_path):
         # No projector keeps more than the truncated SVD's; a range finder keeps a
         # fair part of it (a random rank-4 subspace would keep 4/64 of the energy).
         assert all(0.25 * best < f <= best + 1e-4 for f in found), row
+
+
+@pytest.mark.slow
+def test_device_benchmark_quick(tmp_path):
+    # On the CPU: each arm's step compiles and runs in a process of its own, the
+    # compile time and the memory estimate are recorded, and the loss is finite.
+    text = _run_quick("bench_device.py", tmp_path / "device.md")
+    assert "bench_device.py --quick --out" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 60M |")]
+    assert len(rows) == 2, text
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert float(cells[3]) > 0 and float(cells[5]) > 0, row
+        assert np.isfinite(float(cells[-1])), row

@@ -91,6 +91,13 @@ def check_positive_int(
     return value
 
 
+def check_non_negative_int(name: str, value: Any) -> int:
+    """`value`, or a `ValueError` naming `name` unless it is an int of 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be a non-negative int, got {value!r}.")
+    return value
+
+
 def check_ndim(name: str, x: Any, minimum: int) -> None:
     if jnp.ndim(x) < minimum:
         raise ValueError(

@@ -191,16 +191,8 @@ def projected_cotangent(
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `w` {(m, n)}"
     )
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
-    if (
-        isinstance(oversample, bool)
-        or not isinstance(oversample, int)
-        or oversample < 0
-    ):
-        raise ValueError(
-            f"`oversample` must be a non-negative int, got {oversample!r}."
-        )
+    _validate.check_non_negative_int("iters", iters)
+    _validate.check_non_negative_int("oversample", oversample)
     key_data, key_impl = _key_data(key, batch)
     source: Source
     if projector is None:

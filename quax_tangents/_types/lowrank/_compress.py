@@ -54,16 +54,8 @@ def low_rank(
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `x` {x.shape}"
     )
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
-    if (
-        isinstance(oversample, bool)
-        or not isinstance(oversample, int)
-        or oversample < 0
-    ):
-        raise ValueError(
-            f"`oversample` must be a non-negative int, got {oversample!r}."
-        )
+    _validate.check_non_negative_int("iters", iters)
+    _validate.check_non_negative_int("oversample", oversample)
     _validate.check_finite("x", x)
     if key is not None:
         _validate.check_key("key", key, none_means="for the fixed `jax.random.key(0)`")
