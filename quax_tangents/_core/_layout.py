@@ -17,7 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 def factor_layout(
-    sharding: NamedSharding | None, weight_ndim: int, side: int, shape: tuple
+    sharding: NamedSharding | None,
+    weight_ndim: int,
+    side: int,
+    shape: tuple,
+    rows_first: bool = False,
 ) -> NamedSharding | None:
     """The layout of a factor `shape = (*batch, k, width)` of a stack of matrices
     `(*batch, m, n)` laid out by `sharding`, whose dim `k` is the weights' dim
@@ -25,7 +29,8 @@ def factor_layout(
     weight: the batch and `k` dims keep the weights' mesh axes, and the axes of the
     weights' other dim go to the width (a rank) when they divide it, else to `k`
     when it has none and they divide it, else to the width all the same (padded:
-    XLA's partitioner allows uneven shards inside a program)."""
+    XLA's partitioner allows uneven shards inside a program). With `rows_first`,
+    they go to `k` first where it has none and they divide it."""
     if sharding is None:
         return None
     entries = tuple(sharding.spec) + (None,) * (weight_ndim - len(sharding.spec))
@@ -33,7 +38,8 @@ def factor_layout(
     width = None
     if other is not None:
         size = _mesh_size(sharding, other)
-        if shape[-1] % size and kept is None and shape[-2] % size == 0:
+        width_first = shape[-1] % size == 0 and not rows_first
+        if not width_first and kept is None and shape[-2] % size == 0:
             kept = other
         else:
             width = other
@@ -49,7 +55,7 @@ def explicit_sharding(x: Any) -> NamedSharding | None:
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
         return None
-    return sharding if _explicit(sharding) else None
+    return sharding if is_explicit(sharding) else None
 
 
 def drop_leading(sharding: NamedSharding | None, count: int) -> NamedSharding | None:
@@ -65,13 +71,14 @@ def constrain(x: Any, sharding: NamedSharding | None) -> Any:
     """`x` laid out by `sharding`, or `x` itself for `None`."""
     if sharding is None:
         return x
-    if _explicit(sharding):
+    if is_explicit(sharding):
         # An explicit axis is part of the array's type: change the type.
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _explicit(sharding: NamedSharding) -> bool:
+def is_explicit(sharding: NamedSharding) -> bool:
+    """Whether `sharding` uses an `Explicit` mesh axis (its layout is a type)."""
     explicit = jax.sharding.AxisType.Explicit
     types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
     used = [

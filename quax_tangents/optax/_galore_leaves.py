@@ -72,7 +72,11 @@ class LeafPlan(eqx.Module):
         return (*self.batch, max(self.m, self.n), self.rank)
 
     def factor_layout(
-        self, sharding: Any, shape: tuple[int, ...], projector_side: bool
+        self,
+        sharding: Any,
+        shape: tuple[int, ...],
+        projector_side: bool,
+        rows_first: bool = False,
     ) -> Any:
         """The layout of a factor `shape` of this leaf's gradient laid out by
         `sharding` (the weight's `NamedSharding`, or None: left to XLA), spread over
@@ -85,7 +89,9 @@ class LeafPlan(eqx.Module):
             return sharding
         on_rows = (self.side == "left") == projector_side
         side = -2 if on_rows else -1
-        return factor_layout(sharding, len(self.matrix_shape), side, tuple(shape))
+        return factor_layout(
+            sharding, len(self.matrix_shape), side, tuple(shape), rows_first
+        )
 
     def describe(self) -> str:
         stack = f"a stack {list(self.batch)} of " if self.batch else ""

@@ -28,8 +28,8 @@ needs_devices = skip_without_devices(DEVICES)
 _MESH = AbstractMesh((8,), ("data",))
 
 
-def _layout(spec, side, shape):
-    return factor_layout(NamedSharding(_MESH, spec), 3, side, shape).spec
+def _layout(spec, side, shape, rows_first=False):
+    return factor_layout(NamedSharding(_MESH, spec), 3, side, shape, rows_first).spec
 
 
 def test_a_factor_keeps_its_sides_axis_and_takes_the_other_on_its_rank():
@@ -44,6 +44,21 @@ def test_a_rank_the_axis_does_not_divide_moves_it_to_a_free_side_that_it_does():
     assert _layout(P(None, None, "data"), -2, (3, 48, 12)) == P(None, "data", None)
     # Neither divides: the rank is sharded unevenly (padded) all the same.
     assert _layout(P(None, None, "data"), -2, (3, 44, 12)) == P(None, None, "data")
+
+
+def test_rows_first_puts_the_other_axis_on_the_factors_rows_where_it_divides():
+    # Sharded on m; a factor spanning n (unsharded, 48 rows) takes m's axis on its
+    # rows, not its rank, as `accumulate_gradients` lays its sums out under `Auto`
+    # axes; where the rows are sharded already or it does not divide them, as before.
+    assert _layout(P(None, "data", None), -1, (3, 48, 16), True) == P(
+        None, "data", None
+    )
+    assert _layout(P(None, None, "data"), -1, (3, 48, 16), True) == P(
+        None, "data", None
+    )
+    assert _layout(P(None, "data", None), -1, (3, 44, 16), True) == P(
+        None, None, "data"
+    )
 
 
 def test_no_sharding_leaves_the_layout_to_xla():
