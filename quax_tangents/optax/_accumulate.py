@@ -25,9 +25,9 @@ finder's `2 + 2 * iters`, the last writing `P`, then the step's own with `P`
 (`G^T P`, which is `B U`): `3 + 2 * iters` passes. The loop carries the running
 sums and zeroes them at each trip's first microbatch, in place: a loop over trips
 around a loop over microbatches held the sums of both at once (0.84 GiB more at 1B
-for one TPU v5e chip). Rotating the refresh's last factors (`B U`) instead of the
-step's own pass held 0.36 GiB more there (`benchmarks/bench_scale.py --target
-tpu-v5e --models 1B`).
+for one TPU v5e chip, `benchmarks/bench_scale.py --target tpu-v5e --models 1B`).
+Rotating the refresh's last factors (`B U`) instead of making the step's own pass
+held 0.36 GiB more there, in an earlier two-pass form of the refresh.
 """
 
 import math

@@ -25,10 +25,11 @@ def leaf_keys(key: PRNGKeyArray | None, state: ProjectedState, count: int) -> An
 
     The keys are of the `rbg` implementation, whose bits come from XLA's
     `RngBitGenerator`, one instruction: a range finder's test matrix is drawn per
-    layer inside the model's backward pass, and threefry's hash, drawn there for
-    each projected leaf, took 17 of the 52 s that the 1B step with 4 microbatches
-    compiled in for one TPU v5e chip (`benchmarks/bench_scale.py --target tpu-v5e
-    --models 1B`). Its bits differ between backends."""
+    layer inside the model's backward pass, and with threefry keys the 1B step of
+    `benchmarks/bench_scale.py` (4 microbatches, `estimate(..., target="tpu-v5e")`)
+    compiled in 52 s, with these in 36 s (Adam's: 14 s). Its bits differ between
+    backends.
+    """
     if key is None:
         key = jax.random.fold_in(jax.random.key(0), state.count)
     keys = jax.random.split(key, (max(count, 1), 2))

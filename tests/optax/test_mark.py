@@ -106,30 +106,21 @@ def test_mark_splits_one_key_per_projected_leaf():
     hidden_key, out_key = jax.random.wrap_key_data(data, impl="rbg")
     shown = qto.projectors(state)
 
+    def marked(w, projector, key):
+        # `qto.mark`'s default: no power iteration and no oversampling, as
+        # accumulation.
+        return qt.projected_cotangent(
+            w, RANK, projector=projector, key=key, iters=0, oversample=0
+        )
+
     def by_hand(p, batch):
         p = eqx.tree_at(
             lambda p: (p.embedding.weight, p.hidden.weight, p.out.weight),
             p,
             (
                 qt.sparse_rows_cotangent(p.embedding.weight),
-                # `qto.mark`'s default: no power iteration and no oversampling, as
-                # accumulation.
-                qt.projected_cotangent(
-                    p.hidden.weight,
-                    RANK,
-                    projector=shown.hidden.weight,
-                    key=hidden_key,
-                    iters=0,
-                    oversample=0,
-                ),
-                qt.projected_cotangent(
-                    p.out.weight,
-                    RANK,
-                    projector=shown.out.weight,
-                    key=out_key,
-                    iters=0,
-                    oversample=0,
-                ),
+                marked(p.hidden.weight, shown.hidden.weight, hidden_key),
+                marked(p.out.weight, shown.out.weight, out_key),
             ),
         )
         return _loss(p, static, batch)
