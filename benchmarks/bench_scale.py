@@ -14,8 +14,10 @@ stacked, `lax.scan`, one `remat` per block) with bfloat16 weights, sequence leng
   gradients that come back projected, from `qt.projected_cotangent` marks on the
   block matrices, accumulated over the microbatches;
 - `projected-8bit`: `qto.galore`'s plain step with its defaults (8-bit state);
-- `simple-8bit` (with `--accumulation 1` only): the step of one microbatch with the
-  pieces put together the plain way, without `qto.galore`.
+- `marks-8bit` (with `--accumulation 1` only): the step of one microbatch with the
+  pieces put together by hand, without `qto.galore`: marks in the loss,
+  `qt.value_and_grad`, `qto.layerwise` around the 8-bit projected Adam (without it,
+  `qto.quantized_state` refuses to decode a whole stack's state).
 
 Each step is compiled with the parameters and the optimiser state donated, and never
 run: `jax.jit(step, donate_argnums=(0, 1)).lower(...).compile().memory_analysis()`,
@@ -115,9 +117,9 @@ GALORE_SCALE = 0.25  # the paper's alpha
 REFRESH_EVERY = 200  # the paper's update_proj_gap
 FSDP_DEVICES = 8
 ARMS = ("adam", "adam-8bit", "galore", "projected", "projected-8bit")
-# The step of one microbatch, no accumulation, with the pieces put together the
-# plain way; measured with `--accumulation 1`.
-SIMPLE_ARM = "simple-8bit"
+# The step of one microbatch, no accumulation, with the pieces put together by
+# hand; measured with `--accumulation 1`.
+SIMPLE_ARM = "marks-8bit"
 GIB = 2**30
 
 
@@ -187,15 +189,19 @@ def pipeline(config: LlamaConfig, arm: str) -> qto.GaLore:
 
 
 def _simple(config: LlamaConfig):
-    """The `simple-8bit` arm's transformation: the pieces put together the plain way
-    (`qto.projected` around an 8-bit `optax.adam`, no `layerwise`), as a user who
-    switches from `optax.adam` without `qto.galore` writes it."""
-    return qto.projected(
-        qto.quantized_state(optax.adam(LEARNING_RATE)),
-        rank=config.rank,
-        refresh_every=REFRESH_EVERY,
-        scale=GALORE_SCALE,
-        project=_block_matrices,
+    """The `marks-8bit` arm's transformation: the pieces put together by hand
+    (`qto.projected` around an 8-bit `optax.adam`, one layer at a time), as a user
+    who switches from `optax.adam` without `qto.galore` writes it once
+    `qto.quantized_state` has refused the same without `qto.layerwise`."""
+    return qto.layerwise(
+        qto.projected(
+            qto.quantized_state(optax.adam(LEARNING_RATE)),
+            rank=config.rank,
+            refresh_every=REFRESH_EVERY,
+            scale=GALORE_SCALE,
+            project=_block_matrices,
+        ),
+        layers=config.layers,
     )
 
 
@@ -209,7 +215,7 @@ def transformation(config: LlamaConfig, arm: str, params: Any = None):
         return qto.layerwise(qto.quantized_state(adam), layers=config.layers)
     if arm == "galore":
         return _galore(config)
-    if arm == "simple-8bit":
+    if arm == SIMPLE_ARM:
         return _simple(config)
     if params is None:
         params = jax.eval_shape(
@@ -277,7 +283,7 @@ def make_step(config: LlamaConfig, arm: str, activations=None, shardings=None):
     tx = transformation(config, arm)
 
     def step(params, state, tokens):
-        if arm == "simple-8bit":
+        if arm == SIMPLE_ARM:
             # One microbatch: the marks applied in the loss, `qt.value_and_grad`.
             value, grads = qt.value_and_grad(
                 lambda p: loss_fn(qto.mark(p, state), tokens[0])
@@ -1186,8 +1192,9 @@ def render_targets(saved: dict) -> str:
             f"`opt.update`, `opt.apply`); `{SIMPLE_ARM}` is the step of one "
             "microbatch written without `qto.galore`: `qt.value_and_grad` of the "
             "loss with `qto.mark(params, state)`, "
-            "`qto.projected(qto.quantized_state(optax.adam(lr)), rank=...)`, "
-            "`qto.apply_updates`.",
+            "`qto.layerwise(qto.projected(qto.quantized_state(optax.adam(lr)), "
+            "rank=...), layers=L)`, `qto.apply_updates` (the same without "
+            "`qto.layerwise` is refused by `qto.quantized_state`).",
             "",
             *targets_table(runs),
             "",

@@ -237,7 +237,7 @@ def test_scale_benchmark_targets_table(tmp_path):
     out = tmp_path / "targets.md"
     run_script(
         BENCHMARKS / "bench_scale.py",
-        *("--target", "cpu", "--models", "60M", "--arms", "adam", "simple-8bit"),
+        *("--target", "cpu", "--models", "60M", "--arms", "adam", "marks-8bit"),
         *("--accumulation", "1", "--out", str(out)),
     )
     text = out.read_text()
@@ -245,7 +245,7 @@ def test_scale_benchmark_targets_table(tmp_path):
     rows = re.findall(
         r"^\| 60M \| 1 \| 1 \| `([a-z0-9-]+)` \| ([0-9.]+) \| ([0-9.]+) \|", text, re.M
     )
-    assert [arm for arm, _, _ in rows] == ["adam", "simple-8bit"], text
+    assert [arm for arm, _, _ in rows] == ["adam", "marks-8bit"], text
     assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 0
     assert (out.with_suffix(".json")).exists()
 

@@ -194,7 +194,7 @@ def _projected(
     operands: tuple,
     apply: Callable,
     apply_t: Callable,
-    shape: tuple[int, ...],
+    shape: tuple[int, int],
     dtype: Any,
 ) -> LowRank:
     """`LowRank(P, G^T P)` for `m <= n`, `LowRank(G Q, Q)` for `m > n`, from the
@@ -348,7 +348,8 @@ def _project_factors(spec: Finish, left: Array, right: Array, *operands) -> LowR
 
 def _project_dense(spec: Finish, g: Array, *operands: Array) -> LowRank:
     apply, apply_t = _dense_products(g)
-    return _projected(spec, operands, apply, apply_t, g.shape, g.dtype)
+    m, n = g.shape
+    return _projected(spec, operands, apply, apply_t, (m, n), g.dtype)
 
 
 def project_outer(spec: Finish, ct: OuterSum, operands: tuple) -> LowRank:

@@ -65,6 +65,44 @@ def _stacked_layers(plan: Any) -> int:
     return max(leading, default=1)
 
 
+class _Frozen:
+    """A tree (`project=`, `rows=`, `dims=`) held as its structure and leaves, which
+    hash: `GaLore`'s fields are static, and `jax.jit(opt.init)` hashes them (a dict
+    of bools does not hash)."""
+
+    __slots__ = ("leaves", "treedef")
+
+    def __init__(self, tree: Any):
+        self.leaves, self.treedef = jax.tree.flatten(tree)
+        self.leaves = tuple(self.leaves)
+
+    @property
+    def tree(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+    def __hash__(self) -> int:
+        return hash((self.treedef, self.leaves))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Frozen)
+            and self.treedef == other.treedef
+            and self.leaves == other.leaves
+        )
+
+
+def _frozen(tree: Any) -> Any:
+    try:
+        hash(tree)
+    except TypeError:
+        return _Frozen(tree)
+    return tree
+
+
+def _thawed(field: Any) -> Any:
+    return field.tree if isinstance(field, _Frozen) else field
+
+
 class GaLore(eqx.Module):
     """The projected-training pipeline; see [`quax_tangents.optax.galore`][]."""
 
@@ -74,10 +112,23 @@ class GaLore(eqx.Module):
     refresh_every: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
     state_bits: int | None = eqx.field(static=True)
-    project: Filter = eqx.field(static=True)
-    rows: Filter = eqx.field(static=True)
-    dims: DimsSpec = eqx.field(static=True)
+    # Held hashable (`_Frozen`); read through the properties below.
+    frozen_project: Any = eqx.field(static=True)
+    frozen_rows: Any = eqx.field(static=True)
+    frozen_dims: Any = eqx.field(static=True)
     iters: int = eqx.field(static=True)
+
+    @property
+    def project(self) -> Filter:
+        return _thawed(self.frozen_project)
+
+    @property
+    def rows(self) -> Filter:
+        return _thawed(self.frozen_rows)
+
+    @property
+    def dims(self) -> DimsSpec:
+        return _thawed(self.frozen_dims)
 
     def _projected(self) -> optax.GradientTransformation:
         return projected(
@@ -267,8 +318,8 @@ def galore(
         refresh_every=check_int("refresh_every", refresh_every, 1),
         scale=scale,
         state_bits=state_bits,
-        project=project,
-        rows=rows,
-        dims=dims,
+        frozen_project=_frozen(project),
+        frozen_rows=_frozen(rows),
+        frozen_dims=_frozen(dims),
         iters=check_int("iters", iters, 0),
     )

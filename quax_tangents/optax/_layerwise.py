@@ -22,6 +22,7 @@ from .._types.rows import SparseRows
 from ._apply import is_compressed
 from ._common import Filter, check_int, mask_flags
 from ._projected import ProjectedState
+from ._stacks import per_layer
 
 
 _WHERE = "`quax_tangents.optax.layerwise`"
@@ -133,17 +134,18 @@ def layerwise(
         grads, treedef = jtu.tree_flatten(updates, is_leaf=is_compressed)
         cut = _leaves_to_cut(grads, treedef, params, state, split, layers)
         param_leaves = None if params is None else treedef.flatten_up_to(params)
-        return _Loop(
-            tx,
-            layers,
-            grads,
-            treedef,
-            cut,
-            state,
-            param_leaves,
-            extra,
-            split is not None,
-        ).run()
+        with per_layer():
+            return _Loop(
+                tx,
+                layers,
+                grads,
+                treedef,
+                cut,
+                state,
+                param_leaves,
+                extra,
+                split is not None,
+            ).run()
 
     return optax.GradientTransformationExtraArgs(tx.init, update)
 

@@ -27,6 +27,7 @@ from ._galore_leaves import (
     split_low_rank,
 )
 from ._lazy_rows import distinct_rows, lazy_base_update, rows_update
+from ._stacks import handing_whole, stacked_leaves
 
 
 class ProjectedState(NamedTuple):
@@ -247,15 +248,16 @@ def projected(
         new_projectors = [p[0] for p in prepared]
         proxies = [p[1] for p in prepared]
         rows_read = [p[2] for p in prepared]
-        if any(r is not None for r in rows_read):
-            base_updates, base_state = lazy_base_update(
-                base, proxies, rows_read, state.base_state, treedef
-            )
-        else:
-            out, base_state = base.update(
-                jtu.tree_unflatten(treedef, proxies), state.base_state
-            )
-            base_updates = treedef.flatten_up_to(out)
+        with handing_whole(stacked_leaves(state.plan)):
+            if any(r is not None for r in rows_read):
+                base_updates, base_state = lazy_base_update(
+                    base, proxies, rows_read, state.base_state, treedef
+                )
+            else:
+                out, base_state = base.update(
+                    jtu.tree_unflatten(treedef, proxies), state.base_state
+                )
+                base_updates = treedef.flatten_up_to(out)
         step_size = _step_size(learning_rate, state.count)
         final = [
             _finish(grad, projector, plan, update, read, scale, step_size)

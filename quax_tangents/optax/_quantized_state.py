@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int, PyTree, UInt8
 
 from ._common import check_int
 from ._projected import ProjectedState
+from ._stacks import refuse_whole_decode, stacked_leaves
 
 
 # Octaves below a block's largest magnitude that each kind of code covers, and its
@@ -257,6 +258,17 @@ def _map_state(fn: Any, state: Any) -> Any:
     )
 
 
+def _stacks_within(state: Any) -> tuple:
+    """The stacked leaves of the `projected` states inside `state`."""
+    nodes = jtu.tree_leaves(state, is_leaf=lambda x: isinstance(x, ProjectedState))
+    return tuple(
+        stack
+        for node in nodes
+        if isinstance(node, ProjectedState)
+        for stack in stacked_leaves(node.plan)
+    )
+
+
 def quantized_state(
     tx: optax.GradientTransformation,
     *,
@@ -299,6 +311,14 @@ def quantized_state(
     reads either state. (The lazy updates of row-sparse gradients need the base's
     state in the parameters' structure, so use the first form without them, or the
     second.)
+
+    **One layer at a time.** Each update decodes the state it updates to float32. On
+    a leaf that `projected` projects as a stack of matrices (a scanned model's
+    blocks, `(layers, m, n)`) that is every layer's state at once, which costs most
+    of what the codes save; so such a stack is refused with a `ValueError` unless
+    the update runs inside [`quax_tangents.optax.layerwise`][], which decodes one
+    layer's slice at a time. [`quax_tangents.optax.galore`][] composes the pieces
+    that way.
 
     **Arguments:**
 
@@ -349,6 +369,7 @@ def quantized_state(
     def update(
         updates: PyTree, state: Any, params: PyTree = None, **extra: Any
     ) -> tuple[PyTree, QuantizedState]:
+        refuse_whole_decode(_stacks_within(state.inner))
         updates, inner = tx.update(updates, decode(state.inner), params, **extra)
         count = jnp.asarray(optax.safe_int32_increment(state.count))
         return updates, QuantizedState(count, encode(inner, count))

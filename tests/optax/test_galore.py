@@ -153,6 +153,23 @@ def _is_lowrank(x):
     return isinstance(x, qt.LowRank)
 
 
+def test_its_methods_jit_with_a_tree_of_bools():
+    # `project=` as a dict (unhashable): `jax.jit(opt.init)` and `jax.jit(opt.update)`
+    # hash the pipeline's static fields.
+    opt = qto.galore(rank=2, learning_rate=1e-2, project=_blocks(_params()))
+    params = _params()
+    state = jax.jit(opt.init)(params)
+    _, grads = jax.jit(opt.value_and_grad(loss_fn))(params, state, _batch(0))
+    updates, _ = jax.jit(opt.update)(grads, state, params)
+    expected, _ = OPT.update(grads, OPT.init(params), params)
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(qt.materialise, updates, is_leaf=_is_lowrank)),
+        jax.tree.leaves(jax.tree.map(qt.materialise, expected, is_leaf=_is_lowrank)),
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert opt.project == _blocks(params)
+
+
 def test_float_state_when_asked():
     opt = qto.galore(rank=2, learning_rate=1e-2, project=_blocks, state_bits=None)
     assert isinstance(OPT.init(_params()), qto.QuantizedState)

@@ -253,3 +253,83 @@ def test_composes_with_projected_either_way():
 def test_bits_other_than_8_are_refused():
     with pytest.raises(ValueError, match="`bits` must be 8"):
         qto.quantized_state(optax.adam(1e-3), bits=4)
+
+
+def _stacked_case():
+    """A stacked leaf `(3, 16, 16)` (a scanned model's blocks), projected, and a
+    small leaf that is not."""
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4,
+        "b": jnp.ones(16),
+    }
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+
+    def loss(p):
+        def layer(h, w):
+            return jnp.tanh(h @ w + p["b"]), None
+
+        h, _ = jax.lax.scan(layer, x, p["w"])
+        return jnp.sum(h**2)
+
+    return params, loss, {"w": True, "b": False}
+
+
+def _composed(order: str, project, layerwise: bool = False):
+    kw = dict(rank=4, learning_rate=1e-3, project=project)
+    tx = {
+        "projected outside": qto.projected(
+            qto.quantized_state(optax.scale_by_adam()), **kw
+        ),
+        "quantized outside": qto.quantized_state(
+            qto.projected(optax.scale_by_adam(), **kw)
+        ),
+    }[order]
+    return qto.layerwise(tx, layers=3) if layerwise else tx
+
+
+ORDERS = ["projected outside", "quantized outside"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_stack_decoded_whole_is_refused_naming_the_default(order):
+    # Outside `layerwise`, every layer's state of the stack would be decoded to
+    # float32 at once: the composition that loses the saving is refused, and the
+    # error names the pipeline that keeps it and the wrapper that fixes it.
+    params, loss, project = _stacked_case()
+    tx = _composed(order, project)
+    state = tx.init(params)
+    grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    with pytest.raises(ValueError) as error:
+        jax.jit(tx.update)(grads, state, params)
+    message = str(error.value)
+    assert "`['w']` (3 layers)" in message
+    assert "qto.galore(" in message
+    assert "qto.layerwise(..., layers=3)" in message
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_stack_decoded_one_layer_at_a_time_is_taken(order):
+    params, loss, project = _stacked_case()
+    tx = _composed(order, project, layerwise=True)
+    state = tx.init(params)
+    grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    assert isinstance(updates["w"], qt.LowRank) and updates["w"].batch_ndim == 1
+
+
+def test_the_pipeline_and_unstacked_leaves_are_not_refused():
+    # `qto.galore` decodes one layer at a time; a leaf without stack dims has one
+    # layer's state to decode, so the plain composition takes it.
+    params, loss, project = _stacked_case()
+    opt = qto.galore(rank=4, learning_rate=1e-3, project=project)
+    state = opt.init(params)
+    _, grads = opt.value_and_grad(lambda p, _: loss(p))(params, state, jnp.zeros(1))
+    updates, _ = jax.jit(opt.update)(grads, state, params)
+    assert isinstance(updates["w"], qt.LowRank)
+    flat = {"w": params["w"][0], "b": params["b"]}
+    tx = _composed("projected outside", project)
+    state = tx.init(flat)
+    x = jnp.ones((5, 16))
+    grads = qt.grad(lambda p: jnp.sum(jnp.tanh(x @ qto.mark(p, state)["w"]) ** 2))(flat)
+    updates, _ = jax.jit(tx.update)(grads, state, flat)
+    assert isinstance(updates["w"], qt.LowRank) and updates["w"].batch_ndim == 0
