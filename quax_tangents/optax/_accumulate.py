@@ -53,10 +53,10 @@ from ._passes import PhasedPass, mark_leaf
 from ._projected import find_state
 from ._refresh import (
     KEEP,
-    STEPS,
     PerMatrix,
     in_place_per_matrix,
     refresh_phase,
+    step,
     step_after,
 )
 
@@ -425,9 +425,8 @@ def accumulate_gradients(
 
     def after(t: Array, last: Array, state: tuple, sums: list) -> tuple:
         """After a microbatch: on the last of a refresh's trip, the range finder's
-        step that follows it, per matrix (`STEPS`); otherwise nothing."""
+        step that follows it, per matrix (`step`); otherwise nothing."""
         action = jnp.where(last & refresh, step_after(t, iters), KEEP)
-        steps = STEPS if iters else STEPS[:3]
         matrices, tests = list(state[0]), list(state[1])
         entries = [
             PerMatrix(
@@ -438,7 +437,7 @@ def accumulate_gradients(
             for i in key_of
         ]
         written = in_place_per_matrix(
-            lambda mt, s: jax.lax.switch(action, steps, mt, s), entries
+            lambda mt, s: step(action, mt, s, tested=iters > 0), entries
         )
         for i, (matrix, test) in zip(key_of, written):
             matrices[i], tests[i] = matrix, test

@@ -11,12 +11,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._core._eigh import symmetric_eigh
 from .._core._layout import constrain, drop_leading
 from .._core._sharding import (
+    ORTHONORMAL_ROUNDS,
     column_signs,
+    gram,
+    inverse_sqrt_kept,
     like,
+    matmul,
     orthonormal_columns,
-    top_left_singular,
+    orthonormal_start,
+    shifted,
 )
 from .._marks._sources import PHASE_DRAWN, PHASE_GIVEN, PHASE_TESTED
 
@@ -160,9 +166,7 @@ def refresh_phase(t: Array, iters: int) -> Array:
     return jnp.where(t == 0, PHASE_DRAWN, alternate)
 
 
-# What follows a refresh's trip, per matrix, as the index of a `lax.switch` over
-# `STEPS`; each takes one matrix of the basis `M` and of the test matrices `T` (or
-# None), and of the trip's sum `S`.
+# What follows a refresh's trip, per matrix (`step`).
 KEEP, BASIS, TRUNCATE, TESTS = 0, 1, 2, 3
 
 
@@ -183,27 +187,48 @@ def _orthonormal(y: Array, dtype: Any) -> Array:
     return orthonormal_columns(work).astype(dtype)
 
 
-def _basis(mt: tuple, sums: tuple) -> tuple:
-    """After a sketch: the basis `Q = orth(G Ω)` (or `orth(G T)`) of the sketch in
-    the sum's first rows."""
-    (m, t), (s,) = mt, sums
-    return _orthonormal(s[: m.shape[0]], m.dtype), t
+def _basis_or_truncate(action: Array) -> Callable:
+    """BASIS or TRUNCATE, as one loop whose body holds the step's one
+    eigendecomposition (on a TPU most of the refresh's compile; two call sites
+    compiled it twice):
+
+    - BASIS, after a sketch: `Q = orth(G Ω)` of the sketch in the sum's first rows,
+      `orthonormal_columns`' rounds;
+    - TRUNCATE, after the last `B = G^T Q`, the range finder's last step: `U` the
+      top left singular vectors of `B^T` (eigenvectors of `B^T B`, largest first),
+      and the new projector `P = Q U` with its sign convention (as
+      `quax_tangents.projected_cotangent`'s range finder), one round."""
+
+    def step(mt: tuple, sums: tuple) -> tuple:
+        (m, t), (s,) = mt, sums
+        work = jnp.promote_types(m.dtype, jnp.float32)
+        truncate = action == TRUNCATE
+        q, shift = orthonormal_start(s[: m.shape[0]].astype(work))
+        y = jnp.where(truncate, like(m.astype(work), q), q)
+        b_gram = gram(s.astype(work))
+
+        def one_round(i: Any, y: Array) -> Array:
+            first = (i == 0) & ~truncate
+            g = jnp.where(truncate, b_gram, gram(y))
+            lam, v = symmetric_eigh(shifted(g, jnp.where(first, shift, 0)))
+            rotation = jnp.where(
+                truncate, v[:, ::-1], v * inverse_sqrt_kept(lam, i == 0)
+            )
+            return matmul(y, rotation)
+
+        y = jax.lax.fori_loop(
+            0, jnp.where(truncate, 1, ORTHONORMAL_ROUNDS), one_round, y
+        )
+        y = jnp.where(truncate, y * column_signs(y), y)
+        return y.astype(m.dtype), t
+
+    return step
 
 
 def _tests(mt: tuple, sums: tuple) -> tuple:
     """After `G^T Q` within a power iteration: the test matrix `T = orth(G^T Q)`."""
     (m, t), (s,) = mt, sums
     return m, _orthonormal(s, t.dtype)
-
-
-def _truncate(mt: tuple, sums: tuple) -> tuple:
-    """After the last `B = G^T Q`, the range finder's last step: `U` the top left
-    singular vectors of `B^T`, and the new projector `P = Q U` with its sign
-    convention (as `quax_tangents.projected_cotangent`'s range finder)."""
-    (m, t), (s,) = mt, sums
-    work = jnp.promote_types(m.dtype, jnp.float32)
-    p = m.astype(work) @ top_left_singular(s.astype(work).T, m.shape[-1])
-    return (p * column_signs(p)).astype(m.dtype), t
 
 
 def _laid_out_as_given(step: Callable) -> Callable:
@@ -218,4 +243,13 @@ def _laid_out_as_given(step: Callable) -> Callable:
     return laid_out
 
 
-STEPS = (_keep, *map(_laid_out_as_given, (_basis, _truncate, _tests)))
+def step(action: Array, mt: tuple, sums: tuple, tested: bool) -> tuple:
+    """The step `action` (KEEP, BASIS, TRUNCATE or TESTS, the last only when
+    `tested`: power iterations) on one matrix of the basis `M` and of the test
+    matrices `T` (or None), from the trip's sum `S`: the new `(M, T)`."""
+    branches = [_keep, _laid_out_as_given(_basis_or_truncate(action))]
+    index = jnp.where(action == KEEP, 0, 1)
+    if tested:
+        branches.append(_laid_out_as_given(_tests))
+        index = jnp.where(action == TESTS, 2, index)
+    return jax.lax.switch(index, branches, mt, sums)
