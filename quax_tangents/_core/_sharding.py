@@ -276,7 +276,8 @@ def orthonormal_round(
     the first round, no shift and the eigenvalues below `10 w eps` of the largest
     dropped in the others."""
     lam, v = symmetric_eigh(shifted(g, jnp.where(first, shift, 0)))
-    return matmul(q, v * inverse_sqrt_kept(lam, first))
+    # Laid out as `q` (a loop's carry keeps its type under explicit axes).
+    return like(matmul(q, v * inverse_sqrt_kept(lam, first)), q)
 
 
 def shifted(g: Float[Array, "w w"], shift: Any) -> Float[Array, "w w"]:

@@ -113,22 +113,22 @@ class GaLore(eqx.Module):
     scale: float = eqx.field(static=True)
     state_bits: int | None = eqx.field(static=True)
     # Held hashable (`_Frozen`); read through the properties below.
-    frozen_project: Any = eqx.field(static=True)
-    frozen_rows: Any = eqx.field(static=True)
-    frozen_dims: Any = eqx.field(static=True)
+    _project: Any = eqx.field(static=True)
+    _rows: Any = eqx.field(static=True)
+    _dims: Any = eqx.field(static=True)
     iters: int = eqx.field(static=True)
 
     @property
     def project(self) -> Filter:
-        return _thawed(self.frozen_project)
+        return _thawed(self._project)
 
     @property
     def rows(self) -> Filter:
-        return _thawed(self.frozen_rows)
+        return _thawed(self._rows)
 
     @property
     def dims(self) -> DimsSpec:
-        return _thawed(self.frozen_dims)
+        return _thawed(self._dims)
 
     def _projected(self) -> optax.GradientTransformation:
         return projected(
@@ -318,8 +318,8 @@ def galore(
         refresh_every=check_int("refresh_every", refresh_every, 1),
         scale=scale,
         state_bits=state_bits,
-        frozen_project=_frozen(project),
-        frozen_rows=_frozen(rows),
-        frozen_dims=_frozen(dims),
+        _project=_frozen(project),
+        _rows=_frozen(rows),
+        _dims=_frozen(dims),
         iters=check_int("iters", iters, 0),
     )

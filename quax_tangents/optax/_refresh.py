@@ -214,7 +214,8 @@ def _basis_or_truncate(action: Array) -> Callable:
             rotation = jnp.where(
                 truncate, v[:, ::-1], v * inverse_sqrt_kept(lam, i == 0)
             )
-            return matmul(y, rotation)
+            # Laid out as `y` (a loop's carry keeps its type under explicit axes).
+            return like(matmul(y, rotation), y)
 
         y = jax.lax.fori_loop(
             0, jnp.where(truncate, 1, ORTHONORMAL_ROUNDS), one_round, y
