@@ -134,7 +134,7 @@ def _work_dtype(dtype: Any) -> Any:
 
 def _orthonormal(x: Array) -> Array:
     # Not `jnp.linalg.qr`, which refuses rows sharded over an explicit mesh axis:
-    # shifted Cholesky-QR then two eigh passes on small Gram matrices, exact to
+    # a shifted eigh step then two unshifted ones on small Gram matrices, exact to
     # rounding against QR's range (see `_sharding.orthonormal_columns`).
     return _sharding.orthonormal_columns(x)
 
