@@ -203,9 +203,19 @@ def _basis_or_truncate(action: Array) -> Callable:
         (m, t), (s,) = mt, sums
         work = jnp.promote_types(m.dtype, jnp.float32)
         truncate = action == TRUNCATE
-        q, shift = orthonormal_start(s[: m.shape[0]].astype(work))
-        y = jnp.where(truncate, like(m.astype(work), q), q)
-        b_gram = gram(s.astype(work))
+        rows = s[: m.shape[0]]
+        rank = m.shape[-1]
+
+        def basis_start() -> tuple:
+            q, shift = orthonormal_start(rows.astype(work))
+            return q, shift, jnp.zeros((rank, rank), work)
+
+        def truncate_start() -> tuple:
+            b_gram = gram(s.astype(work))
+            return like(m.astype(work), rows), jnp.zeros((), work), b_gram
+
+        # A `cond`, not both: each start reads a matrix the other does not need.
+        y, shift, b_gram = jax.lax.cond(truncate, truncate_start, basis_start)
 
         def one_round(i: Any, y: Array) -> Array:
             first = (i == 0) & ~truncate
