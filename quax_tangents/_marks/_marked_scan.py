@@ -273,7 +273,10 @@ def warn_unless_projected(args: Sequence[Any]) -> None:
                 "ends (the same result, more memory). That needs the scan to take "
                 "the marked stack itself as its `xs` (cast or viewed by `dims=`, "
                 "not transposed), not closed over by an outer scan. Pass "
-                "`by_layer=False` to `accumulate_gradients` if this is intended.",
+                "`by_layer=False` to `accumulate_gradients` if this is intended. "
+                "(Through `qto.galore(...).value_and_grad`, which always projects "
+                "layer by layer: check which leaves `project=` chose; a stacked "
+                "`(layers, d)` norm or bias is a matrix by shape only.)",
                 _cotangents.LayerByLayerWarning,
                 stacklevel=2,
             )
