@@ -250,7 +250,8 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
 
     # A loop, not three copies: on a TPU the eigendecomposition is most of the
     # compile (a Cholesky factor and a triangular solve in the first step held
-    # about a tenth of the 1B step's fused kernels for the v5e compile).
+    # about a tenth of the fused kernels of the optimised HLO of
+    # `bench_scale.estimate(MODELS["1B"], "projected-8bit", target="tpu-v5e")`).
     return jax.lax.fori_loop(0, ORTHONORMAL_ROUNDS, orthonormalised, q)
 
 

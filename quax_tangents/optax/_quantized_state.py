@@ -314,8 +314,8 @@ def quantized_state(
 
     **One layer at a time.** Each update decodes the state it updates to float32. On
     a leaf that `projected` projects as a stack of matrices (a scanned model's
-    blocks, `(layers, m, n)`) that is every layer's state at once, which costs most
-    of what the codes save; so such a stack is refused with a `ValueError` unless
+    blocks, `(layers, m, n)`) that is every layer's state at once (on XLA:CPU most
+    of what the codes save); so such a stack is refused with a `ValueError` unless
     the update runs inside [`quax_tangents.optax.layerwise`][], which decodes one
     layer's slice at a time. [`quax_tangents.optax.galore`][] composes the pieces
     that way.

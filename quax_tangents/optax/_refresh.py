@@ -218,6 +218,8 @@ def _basis_or_truncate(action: Array) -> Callable:
         y, shift, b_gram = jax.lax.cond(truncate, truncate_start, basis_start)
 
         def one_round(i: Any, y: Array) -> Array:
+            # `gram(y)` is not needed in the truncation's one round: a `cond` here
+            # would put a branch in the loop body for an `r x r` product.
             first = (i == 0) & ~truncate
             g = jnp.where(truncate, b_gram, gram(y))
             lam, v = symmetric_eigh(shifted(g, jnp.where(first, shift, 0)))

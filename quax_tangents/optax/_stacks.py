@@ -5,7 +5,7 @@ decode a whole stack's state at once.
 blocks, `(layers, m, n)`) while it runs its base; `layerwise` says that the update
 it runs takes one layer's slice at a time. `quantized_state`, which decodes the
 state it updates to float32, reads both: a stack decoded whole outside `layerwise`
-holds every layer's state in float32 at once, more than the 8-bit codes save.
+holds every layer's state in float32 at once.
 """
 
 import contextlib
@@ -76,11 +76,11 @@ def refuse_whole_decode(stacks: Stacks) -> None:
     path, layers = stacks[0]
     raise ValueError(
         "`quax_tangents.optax.quantized_state` would decode the 8-bit state of the "
-        f"stacked leaf `{path}` ({layers} layers) to float32 for every layer at once: "
-        "the step then holds most of what the 8-bit codes save (a 1B Llama's step of "
-        "one microbatch: 9.43 GiB compiled for CPU and 7.15 for a TPU v5e chip, "
-        "against 4.86 and 6.78 for `qto.galore`'s and 10.19 and 11.40 for BF16 "
-        "Adam's). Use the pipeline that updates one layer at a time, "
+        f"stacked leaf `{path}` ({layers} layers) to float32 for every layer at once "
+        "(a 1B Llama's step of one microbatch, `benchmarks/bench_scale.py` before "
+        "this was refused: 9.43 GiB compiled for CPU, 0.93x BF16 Adam's, and 7.15 "
+        "for a TPU v5e chip, against 4.86 and 6.78 for `qto.galore`'s). Use the "
+        "pipeline that updates one layer at a time, "
         "`qto.galore(rank=..., learning_rate=..., project=...)` with "
         "`opt.value_and_grad`, `opt.update` and `opt.apply`; or wrap this "
         f"transformation as `qto.layerwise(..., layers={layers})`."
