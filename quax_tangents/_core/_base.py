@@ -359,13 +359,15 @@ def densify(
     params: dict[str, Any],
     *,
     reason: str,
+    fix: str | None = None,
 ) -> Any:
-    """Materialises every quax value, records it with the fallback policy, and runs
-    the primitive densely. Rules call this when they cannot stay compressed."""
+    """Materialises every quax value, records it with the fallback policy (`fix`: as
+    for `record_densification`), and runs the primitive densely. Rules call this
+    when they cannot stay compressed."""
     names = tuple(
         sorted({type(v).__name__ for v in values if isinstance(v, CompressedArray)})
     )
-    record_densification(primitive.name, names, reason)
+    record_densification(primitive.name, names, reason, fix)
     arrays = [v.materialise() if isinstance(v, quax.Value) else v for v in values]
     return primitive.bind(*arrays, **params)
 

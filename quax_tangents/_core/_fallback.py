@@ -7,6 +7,10 @@ same kind of decision: keep compressing, or pay for a dense array.
 """
 
 import contextlib
+import importlib.util
+import os
+import sys
+import sysconfig
 import threading
 import warnings
 from collections import Counter
@@ -187,8 +191,36 @@ def record_densification(
                 message + " Counted in `quax_tangents.fallback_counts()`; use "
                 "`quax_tangents.fallback('silent')` to hide this warning.",
                 DensificationWarning,
-                stacklevel=2,
+                stacklevel=_outside_stacklevel(),
             )
+
+
+def _package_folders() -> tuple[str, ...]:
+    """The folders of this library, of the packages a densification is reached
+    through (JAX's tracing, quax's dispatch, Equinox, plum, optax) and of Python's
+    standard library."""
+    folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    for name in ("jax", "jaxlib", "quax", "equinox", "plum", "optax"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders.extend(spec.submodule_search_locations)
+    folders.append(sysconfig.get_paths()["stdlib"])
+    return tuple(os.path.join(os.path.abspath(f), "") for f in folders)
+
+
+_PACKAGE_FOLDERS = _package_folders()
+
+
+def _outside_stacklevel() -> int:
+    """The `stacklevel`, for a `warnings.warn` in `record_densification`, of the
+    innermost caller outside `_PACKAGE_FOLDERS`: the line of the user's code whose
+    operation densifies, not a rule's."""
+    frame, level = sys._getframe(1), 1  # `record_densification`, level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        _PACKAGE_FOLDERS
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def is_vector_shape(shape: tuple[int, ...]) -> bool:
@@ -198,12 +230,17 @@ def is_vector_shape(shape: tuple[int, ...]) -> bool:
 
 
 def record_dense_result(
-    primitive: str, type_names: tuple[str, ...], shape: tuple[int, ...], reason: str
+    primitive: str,
+    type_names: tuple[str, ...],
+    shape: tuple[int, ...],
+    reason: str,
+    fix: str | None = None,
 ) -> None:
     """Records a rule's dense result of `shape` computed from compressed parts,
-    unless it is a vector (see `is_vector_shape`), which needs no counting."""
+    unless it is a vector (see `is_vector_shape`), which needs no counting. `fix`:
+    as for `record_densification`."""
     if not is_vector_shape(tuple(shape)):
-        record_densification(primitive, type_names, reason)
+        record_densification(primitive, type_names, reason, fix)
 
 
 def record_budget_event(primitive: str, action: str) -> None:

@@ -126,9 +126,9 @@ def _record_other_contraction(w: Marked, dot: _Dot) -> None:
         "with the stack dims as batch dims",
         "Store such a weight as the matrix the product uses (a `(d, heads, "
         "head_dim)` weight as `(d, heads * head_dim)`) and reshape it in the "
-        "forward pass, or compute its gradient with "
-        "`quax_tangents.optax.accumulate_gradients` and `projected(dims=...)`, "
-        "which mark the matrix view.",
+        "forward pass, or pass the matrix view to the optimiser: "
+        "`quax_tangents.optax.galore(..., dims=...)` (or `projected(dims=...)` "
+        "with `quax_tangents.optax.accumulate_gradients`), which marks it.",
     )
 
 

@@ -166,6 +166,20 @@ def test_stochastic_rounding_is_unbiased():
     assert float(jnp.abs(jnp.mean(total[:, 1:]) / 100 - 0.3)) < 3e-4
 
 
+def test_the_rounding_noise_is_a_hash_of_each_position_and_the_seed():
+    # Uniform in [0, 1), a function of the row-major position alone (the same
+    # numbers whatever the blocked shape), different for another seed.
+    shape = (3, 5, 2, 16)
+    noise = np.asarray(_block_noise(shape, jnp.int32(7)))
+    flat = np.asarray(_block_noise((480,), jnp.int32(7)))
+    np.testing.assert_array_equal(noise.reshape(-1), flat)
+    assert noise.min() >= 0.0 and noise.max() < 1.0
+    assert abs(float(noise.mean()) - 0.5) < 0.05
+    assert len(np.unique(noise)) == noise.size
+    other = np.asarray(_block_noise(shape, jnp.int32(8)))
+    assert np.mean(other == noise) < 0.01
+
+
 def _mlp_problem():
     """A teacher network's outputs plus noise, fitted by a small MLP."""
     rng = np.random.default_rng(0)

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import quax
 from hypothesis import given, strategies as st
@@ -212,6 +213,27 @@ def test_warn_mode_warns_once_per_primitive_and_type():
         warnings.simplefilter("error")
         quax.quaxify(jnp.tanh)(x)
     assert qt.fallback_counts()[("tanh", "LowRank")] == 2
+
+
+def test_a_densification_warning_points_at_the_users_line():
+    # Not at the rule, quax's dispatch or JAX's tracing that it went through.
+    x = qt.LowRank(random_array(0, (4, 1)), random_array(1, (5, 1)))
+    qt.reset_fallback_counts()
+    with pytest.warns(qt.DensificationWarning, match="`sin`") as caught:
+        jax.jit(quax.quaxify(jnp.sin))(x)
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_adding_an_update_into_its_weight_densely_names_apply_updates():
+    # The usual way to get there: `optax.apply_updates` of a low-rank update.
+    params = {"w": random_array(0, (4, 5))}
+    update = {"w": qt.LowRank(random_array(1, (4, 2)), random_array(2, (5, 2)))}
+    qt.reset_fallback_counts()
+    with pytest.warns(qt.DensificationWarning, match=r"optax\.apply_updates\(params"):
+        out = optax.apply_updates(params, update)
+    assert_close(out["w"], params["w"] + update["w"].materialise())
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="opt.apply"):
+        optax.apply_updates(params, update)
 
 
 def _over_budget_pair():

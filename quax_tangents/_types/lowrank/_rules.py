@@ -206,6 +206,15 @@ def _sum(x: LowRank, y: LowRank, *, primitive: Any) -> LowRank | Array:
     return within_budget(primitive, left, right, _projections_hint(x, y))
 
 
+# The usual way to reach `_plus_dense` with a whole weight: `optax.apply_updates`.
+_ADD_INTO_WEIGHT = (
+    "If this adds an optimiser's low-rank update into its weight, "
+    "`quax_tangents.optax.apply_updates(params, updates)` (or `opt.apply` of "
+    "`quax_tangents.optax.galore`) adds it as a matrix product, a stack one matrix at "
+    "a time; `optax.apply_updates` and `param + update` make it a dense update first."
+)
+
+
 @rule(add_any_p, jax.lax.add_p, dense_output=True, commutative=True)
 def _plus_dense(x: LowRank, y: ArrayLike, *, primitive: Any) -> Array:
     """A LowRank plus a dense array is dense, by design. `lax.add` broadcasts size-1
@@ -213,9 +222,17 @@ def _plus_dense(x: LowRank, y: ArrayLike, *, primitive: Any) -> Array:
     is recorded as a densification unless it is a vector (`record_dense_result`)."""
     y = jnp.asarray(y)
     if x.dtype != y.dtype or x.ndim != y.ndim:
-        return densify(primitive, [x, y], {}, reason="dtypes or ranks differ")
+        return densify(
+            primitive, [x, y], {}, reason="dtypes or ranks differ", fix=_ADD_INTO_WEIGHT
+        )
     shape = jnp.broadcast_shapes(x.shape, y.shape)
-    record_dense_result(primitive.name, ("LowRank",), shape, "a sum with a dense array")
+    record_dense_result(
+        primitive.name,
+        ("LowRank",),
+        shape,
+        "a sum with a dense array",
+        _ADD_INTO_WEIGHT,
+    )
     left, right = _broadcast_factors(x, shape)
     return y + jnp.matmul(left, jnp.swapaxes(right, -1, -2))
 
