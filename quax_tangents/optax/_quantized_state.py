@@ -201,9 +201,7 @@ def _block_noise(shape: tuple[int, ...], seed: Array) -> Array:
     element's position and `seed`: elementwise arithmetic that XLA fuses into the
     encoding, where `jax.random` would write a state-sized array of bits first."""
     # The row-major position of each element (modulo 2**32), as one iota: the
-    # same numbers as a sum of one iota per axis times its stride, in fewer ops
-    # (the 1B step of `benchmarks/bench_scale.py` compiled for TPU v5e in 23.9 s
-    # against 26.2 with the per-axis sum).
+    # same numbers as a sum of one iota per axis times its stride, in fewer ops.
     index = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
     h = index ^ (seed.astype(jnp.uint32) * np.uint32(0x9E3779B9))
     h = h ^ (h >> 16)
