@@ -154,8 +154,7 @@ def measure(
     stage = "init"
     try:
         params = jax.jit(functools.partial(init_params, config))(jax.random.key(0))
-        # Op by op: under `jit`, XLA constant-folds the 8-bit encoding of the
-        # zero moments, for minutes.
+        # Op by op, as the figures in `results/` were built.
         state = bs.init_state(config, arm, params)
         tokens = jax.random.randint(
             jax.random.key(1),

@@ -360,8 +360,22 @@ def quantized_state(
         )
 
     def init(params: PyTree) -> QuantizedState:
-        count = jnp.zeros([], jnp.int32)
-        return QuantizedState(count, encode(tx.init(params), count))
+        # Under `jax.jit`, the wrapped state (zeros, mostly) and the step count are
+        # constants, and XLA would fold their encoding into constants element by
+        # element: minutes for a 1B model's moments. Each leaf times a 1 that XLA
+        # cannot see through is a value instead, still made inside the encoding's
+        # kernels (a barrier around the leaves themselves would write them out whole
+        # first: 12 GiB of temporaries for a 1B model's Adam moments).
+        count, one = jax.lax.optimization_barrier(
+            (jnp.zeros([], jnp.int32), jnp.ones([], jnp.float32))
+        )
+
+        def opaque(x: Any) -> Any:
+            if not _is_stored_as_codes(x, block_size):
+                return x
+            return x * one.astype(x.dtype)
+
+        return QuantizedState(count, encode(_map_state(opaque, tx.init(params)), count))
 
     def update(
         updates: PyTree, state: Any, params: PyTree = None, **extra: Any
