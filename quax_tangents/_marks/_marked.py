@@ -112,6 +112,10 @@ class Marked(quax.ArrayValue):
                 ("Marked",),
                 "a use of a marked weight other than a matmul (or a row gather of a "
                 "row-marked table) gives it a dense cotangent",
+                "An embedding table read by a gather takes row-sparse gradients: "
+                "give it to `rows=` (of `quax_tangents.optax.galore` or `projected`) "
+                "instead of `project=`; any other such weight, leave it out of "
+                "`project=` (its gradient is computed whole, then projected).",
             )
         arrays = [v.materialise() if isinstance(v, Marked) else v for v in values]
         return primitive.bind(*arrays, **params)

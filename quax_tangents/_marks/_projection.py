@@ -453,7 +453,11 @@ def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
     # projection still compresses it.
     ct = jnp.asarray(ct)
     record_densification(
-        finish_p.name, ("Marked",), "the marked weight's total cotangent is dense"
+        finish_p.name,
+        ("Marked",),
+        "the marked weight's total cotangent is dense",
+        "A use of the weight other than a matmul made it so (counted under that "
+        "use's own primitive, with what to change).",
     )
     if spec.kind != "projected":
         return ct

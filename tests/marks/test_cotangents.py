@@ -263,6 +263,26 @@ def test_every_dense_cotangent_of_a_mark_is_counted(use):
     assert_close(grad, p @ (p.T @ g))
 
 
+def test_a_projected_table_read_by_a_gather_is_told_about_rows():
+    # An embedding table selected by `project=`: the warning points at the
+    # gather's line in the loss and names `rows=`; the total's names its cause.
+    w = random_array(0, (M, N))
+    p = _orthonormal(3, M, RANK)
+    index = jnp.asarray([1, 3, 3])
+
+    def loss(w):
+        w = qt.projected_cotangent(w, RANK, projector=p)
+        return jnp.sum(jnp.sin(jnp.take(w, index, axis=0)))
+
+    qt.reset_fallback_counts()
+    with pytest.warns(qt.DensificationWarning) as caught:
+        qt.grad(loss)(w)
+    messages = {str(w.message).split("`")[1]: w for w in caught}
+    assert "give it to `rows=`" in str(messages["gather"].message)
+    assert messages["gather"].filename == __file__
+    assert "that use's own primitive" in str(messages["finish"].message)
+
+
 def test_two_matmuls_of_one_weight_add_up_without_densifying():
     w = random_array(0, (M, N))
     x, y = random_array(1, (2, M)), random_array(2, (N, 3))
