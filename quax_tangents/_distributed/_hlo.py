@@ -50,6 +50,8 @@ _CALLEE = re.compile(
     r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
 )
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|calls)=\{([^}]*)\}")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CHAIN = re.compile(r'\bchain_id="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Collective:
     """One collective of a compiled program, as `collectives` reads it.
 
     - `kind`: the HLO opcode without an async `-start` suffix, e.g. `"all-reduce"`.
-    - `name`: the instruction's name in the HLO module.
+    - `name`: the instruction's name in the HLO module (the first copy's, for a
+        TPU's asynchronous collective).
     - `operand_shapes`: the HLO shapes of its operands, e.g. `("f32[64,4]",)`.
     - `operand_bytes`: the bytes of its operands on one device: what that device puts
         on the wire (an all-gather receives this from every other device; a ring
@@ -125,7 +128,10 @@ def collectives_in_hlo(
     in order, with its operands' shapes looked up from their definitions.
 
     An instruction inside a loop body is listed once, with the number of times it
-    runs per call of the module as its `count` (see [`quax_tangents.hlo.Collective`][]);
+    runs per call of the module as its `count` (see [`quax_tangents.hlo.Collective`][]),
+    and so is a TPU compile's asynchronous collective, whose instruction is repeated
+    in each fusion of the chain that starts it, overlaps it with computation and ends
+    it (copies marked with one `chain_id` and one `channel_id`);
     a loop whose trip count XLA does not know counts as `unknown_trips` trips, or
     makes the count `None`. Every branch of a conditional counts as run, or with
     `branch` only that one (its index: 0 for `lax.cond`'s false branch, 1 for its
@@ -153,7 +159,19 @@ def collectives_in_hlo(
             calls.append((kind, name, call, computation))
     counts = computation_counts(hlo, unknown_trips, branch)
     found = []
+    channels: set[tuple[str, str, str]] = set()
     for kind, name, call, where in calls:
+        # The TPU compiler runs a collective asynchronously as a chain of fusions
+        # (its start, the computations it overlaps, its end), each holding a copy of
+        # the instruction marked with the chain's `chain_id` and the collective's
+        # `channel_id`: one collective. (A `channel_id` alone is not unique: XLA
+        # gives some distinct collectives the same one.)
+        chain, channel = _CHAIN.search(call), _CHANNEL.search(call)
+        if chain is not None and channel is not None:
+            key = (kind, chain.group(1), channel.group(1))
+            if key in channels:
+                continue
+            channels.add(key)
         operands = tuple(_strip_layout(shapes[o]) for o in _operand_names(call))
         count = counts.get(where, 1) if where is not None else 1
         found.append(
@@ -378,7 +396,9 @@ def collectives(
     **Returns:**
 
     A list of [`quax_tangents.hlo.Collective`][], one per collective instruction, in the
-    order of the HLO text.
+    order of the HLO text; on a TPU compile, one per asynchronous collective, whose
+    chain of fusions repeats its instruction under one `chain_id` (counting each
+    copy would count its bytes once per fusion of the chain).
     """
     stages = (jax.stages.Compiled, jax.stages.Lowered)
     if isinstance(fn, stages) and (args or kwargs):

@@ -748,6 +748,65 @@ def test_branch_counts_one_branch_of_every_conditional(branch):
         qt.hlo.collectives(jax.jit(lambda x: x).lower(1.0).compile(), branch=-1)
 
 
+# The form of a TPU compile's asynchronous all-gather (abridged from a compiled FSDP
+# step): one collective run as a chain of fusions, its start, a fusion that overlaps
+# it with other work, and its end, each holding a copy of the instruction under the
+# chain's `chain_id` and the collective's `channel_id`. Two more all-gathers share a
+# `channel_id` but no chain, as XLA leaves some distinct collectives: both run.
+_ASYNC_CHAIN_HLO = """\
+HloModule jit_step, num_partitions=8
+
+%fused_start (param_0.1: bf16[1,256,64]) -> (bf16[1,256,64], bf16[1,2048,64], u32[]) {
+  %param_0.1 = bf16[1,256,64]{1,2,0} parameter(0)
+  %all-gather.1 = bf16[1,2048,64]{1,2,0} all-gather(%param_0.1), channel_id=83, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="1"}
+  ROOT %custom-call.1 = (bf16[1,256,64]{1,2,0}, bf16[1,2048,64]{1,2,0}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.2 (param_0.2: bf16[1,256,64], param_1.2: f32[8]) -> (f32[8], bf16[1,256,64]) {
+  %param_1.2 = f32[8]{0} parameter(1)
+  %exp.2 = f32[8]{0} exponential(%param_1.2)
+  %param_0.2 = bf16[1,256,64]{1,2,0} parameter(0)
+  %all-gather.2 = bf16[1,2048,64]{1,2,0} all-gather(%param_0.2), channel_id=83, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="1"}
+  ROOT %tuple.2 = (f32[8]{0}, bf16[1,256,64]{1,2,0}) tuple(%exp.2, %param_0.2)
+}
+
+%fused_done (param_0.3: bf16[1,256,64]) -> bf16[1,2048,64] {
+  %param_0.3 = bf16[1,256,64]{1,2,0} parameter(0)
+  %all-gather.3 = bf16[1,2048,64]{1,2,0} all-gather(%param_0.3), channel_id=83, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="1"}
+  ROOT %custom-call.3 = bf16[1,2048,64]{1,2,0} custom-call(%param_0.3, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (p: (s32[], bf16[1,256,64], f32[8])) -> (s32[], bf16[1,256,64], f32[8]) {
+  %p = (s32[], bf16[1,256,64], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[1,256,64]{1,2,0} get-tuple-element(%p), index=1
+  %x = f32[8]{0} get-tuple-element(%p), index=2
+  %start = (bf16[1,256,64]{1,2,0}, bf16[1,2048,64]{1,2,0}, u32[]) fusion(%w), kind=kCustom, calls=%fused_start
+  %overlap = (f32[8]{0}, bf16[1,256,64]{1,2,0}) fusion(%w, %x), kind=kCustom, calls=%async_collective_fusion.2
+  %done = bf16[1,2048,64]{1,2,0} fusion(%w), kind=kCustom, calls=%fused_done
+  %other = bf16[1,2048,64]{1,2,0} all-gather(%w), channel_id=84, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, use_global_device_ids=true
+  %another = bf16[1,2048,64]{1,2,0} all-gather(%w), channel_id=84, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={1}, use_global_device_ids=true
+  ROOT %t = (s32[], bf16[1,256,64], f32[8]) tuple(%i, %w, %x)
+}
+
+ENTRY %main (a: (s32[], bf16[1,256,64], f32[8])) -> (s32[], bf16[1,256,64], f32[8]) {
+  %a = (s32[], bf16[1,256,64], f32[8]) parameter(0)
+  ROOT %loop = (s32[], bf16[1,256,64], f32[8]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"24"}}
+}
+"""
+
+
+def test_an_asynchronous_collective_chain_counts_once():
+    found = collectives_in_hlo(_ASYNC_CHAIN_HLO)
+    assert [(c.name, c.operand_shapes, c.count) for c in found] == [
+        ("all-gather.1", ("bf16[1,256,64]",), 24),
+        ("other", ("bf16[1,256,64]",), 24),
+        ("another", ("bf16[1,256,64]",), 24),
+    ]
+    shard = 256 * 64 * 2
+    assert sum(qt.hlo.received_bytes(c, 8) for c in found) == 3 * 24 * 7 * shard
+
+
 @needs_devices
 def test_compiled_scan_counts_its_psum_per_iteration():
     length, width = 5, 16
