@@ -68,6 +68,7 @@ from _report import (
     environment,
     produced_by,
 )
+from jax.experimental.layout import Format, Layout
 
 import quax_tangents as qt
 
@@ -126,12 +127,16 @@ def measure(
     steps: int,
     batch: int = bs.MICROBATCH,
     seq: int = bs.SEQ,
+    layouts: str = "default",
 ) -> dict:
     """Builds, compiles and runs one model's step with one arm on `jax.devices()[0]`,
     `accumulation` microbatches of `batch` sequences of `seq` tokens; its figures as a
     JSON-able dict. A step that does not fit (`RESOURCE_EXHAUSTED`
     while building, compiling or running) is reported, with the error's first line,
-    in `status` and `error`."""
+    in `status` and `error`. With `layouts="auto"` the compiler chooses the
+    parameters' and the state's layouts (`bench_scale.estimate`'s `layouts`): the
+    step is compiled on abstract inputs first, and the weights and the state are
+    then built in the layouts it chose (`compiled.input_formats`)."""
     jax.clear_caches()
     gc.collect()
     config = CONFIGS[model]
@@ -148,16 +153,24 @@ def measure(
         "jax": jax.__version__,
         "jaxlib": importlib.metadata.version("jaxlib"),
         "status": "ok",
+        "layouts": layouts,
         "losses": [],
         "step_s": [],
         "before": _stats(device),
     }
     stage = "init"
     try:
-        params = jax.jit(functools.partial(init_params, config))(jax.random.key(0))
-        # Jitted, as `docs/llm.md` says to build it: op by op, the 8-bit state's
-        # encoding held 11 GiB of the 1B step's runtime peak (Adam's 7.5).
-        state = jax.jit(functools.partial(bs.init_state, config, arm))(params)
+        make_params = functools.partial(init_params, config)
+        make_state = functools.partial(bs.init_state, config, arm)
+        key = jax.random.key(0)
+        if layouts == "auto":
+            params = jax.eval_shape(make_params, key)
+            state = jax.eval_shape(make_state, params)
+        else:
+            params = jax.jit(make_params)(key)
+            # Jitted, as `docs/llm.md` says to build it: op by op, the 8-bit
+            # state's encoding held 11 GiB of the 1B step's runtime peak (Adam's 7.5).
+            state = jax.jit(make_state)(params)
         tokens = jax.random.randint(
             jax.random.key(1),
             (accumulation, batch, seq + 1),
@@ -173,10 +186,18 @@ def measure(
         with qt.fallback("silent"), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers")
             start = time.perf_counter()
-            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens)
+            lowered = jax.jit(step, donate_argnums=(0, 1), **_formats(layouts)).lower(
+                params, state, tokens
+            )
             row["lower_s"] = time.perf_counter() - start
             compiled = lowered.compile()
             row["compile_s"] = time.perf_counter() - start
+        if layouts == "auto":
+            stage = "init"
+            params_format, state_format, _ = compiled.input_formats[0]
+            params = jax.jit(make_params, out_shardings=params_format)(key)
+            state = jax.jit(make_state, out_shardings=state_format)(params)
+            jax.block_until_ready((params, state))
         memory = compiled.memory_analysis()
         estimate = {
             "argument": memory.argument_size_in_bytes,
@@ -208,11 +229,21 @@ def measure(
     return row
 
 
-def _one(model: str, arm: str, accumulation: int, steps: int, *shape: int) -> None:
+def _formats(layouts: str) -> dict:
+    """`jax.jit`'s keyword arguments for the parameters' and the state's layouts."""
+    if layouts == "default":
+        return {}
+    auto = Format(Layout.AUTO)
+    return {"in_shardings": (auto, auto, None), "out_shardings": (auto, auto, None)}
+
+
+def _one(
+    model: str, arm: str, accumulation: int, steps: int, layouts: str, *shape: int
+) -> None:
     """The child's work: one JSON line on stdout, whatever happens (an error other
     than running out of memory is `status: failed`, its traceback on stderr)."""
     try:
-        row = measure(model, arm, accumulation, steps, *shape)
+        row = measure(model, arm, accumulation, steps, *shape, layouts=layouts)
     except Exception as error:
         traceback.print_exc()
         row = {
@@ -233,6 +264,7 @@ def run_one(
     steps: int,
     shape: tuple[int, int],
     timeout: float | None,
+    layouts: str = "default",
 ) -> dict:
     """`measure` in a fresh Python process (its stderr passed through)."""
     failed = {
@@ -244,6 +276,7 @@ def run_one(
     }
     args = ["--one", model, arm, "--accumulation", str(accumulation), "--steps"]
     args += [str(steps), "--batch", str(shape[0]), "--seq", str(shape[1])]
+    args += ["--layouts", layouts]
     try:
         out = subprocess.run(
             [sys.executable, __file__, *args],
@@ -284,12 +317,16 @@ def _aot_totals() -> dict[tuple, int]:
         return {}
     runs = json.loads(path.read_text())["runs"]
     return {
-        (r["model"], r["accumulation"], r["arm"], r["target"]): (
+        (r["model"], r["accumulation"], r["arm"], r["target"], _layouts(r)): (
             r["argument"] + r["output"] - r["alias"] + r["temp"]
         )
         for r in runs
         if r["devices"] == 1
     }
+
+
+def _layouts(row: dict) -> str:
+    return row.get("layouts", "default")
 
 
 def _same_shape(row: dict) -> bool:
@@ -320,7 +357,13 @@ def table(rows: list[dict]) -> list[str]:
             None,
         )
         other = aot.get(
-            (row["model"], row["accumulation"], row["arm"], row.get("platform"))
+            (
+                row["model"],
+                row["accumulation"],
+                row["arm"],
+                row.get("platform"),
+                _layouts(row),
+            )
         )
         if not _same_shape(row):
             other = None
@@ -371,6 +414,19 @@ def render(rows: list[dict], platform: str) -> str:
             "which a TPU's allocator does not count. It is not the step's peak. "
             "Arms, models and step as in `bench_scale.py` "
             f"({_shapes(rows)}).",
+            *(
+                [
+                    "",
+                    "With the compiler's layouts (`--layouts auto`): the step "
+                    "compiled on abstract inputs with `Format(Layout.AUTO)` for the "
+                    "parameters and the state, in and out, then the weights and the "
+                    "state built by jitted functions in the layouts it chose "
+                    "(`compiled.input_formats`); the AOT estimate is "
+                    "`bench_scale.py --layouts auto`'s.",
+                ]
+                if any(_layouts(r) == "auto" for r in rows)
+                else []
+            ),
             "",
             *table(rows),
             "",
@@ -448,6 +504,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout", type=float, help="seconds for each model and arm (default none)"
     )
     parser.add_argument(
+        "--layouts",
+        choices=("default", "auto"),
+        default="default",
+        help="`auto`: the compiler chooses the parameters' and the state's layouts "
+        "(default: those `jax.jit` takes)",
+    )
+    parser.add_argument(
         "--one",
         nargs=2,
         metavar=("MODEL", "ARM"),
@@ -467,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         args.seq or (64 if args.quick else bs.SEQ),
     )
     if args.one:
-        _one(*args.one, args.accumulation[0], steps, *shape)
+        _one(*args.one, args.accumulation[0], steps, args.layouts, *shape)
         return
     models = args.models or (QUICK_MODELS if args.quick else ("1B",))
     rows: list[dict] = []
@@ -475,7 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         for accumulation in args.accumulation:
             for arm in args.arms:
-                row = run_one(model, arm, accumulation, steps, shape, args.timeout)
+                row = run_one(
+                    model, arm, accumulation, steps, shape, args.timeout, args.layouts
+                )
                 _log(row)
                 rows.append(row)
                 platform = next((r["platform"] for r in rows if "platform" in r), "")

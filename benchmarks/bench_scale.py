@@ -36,6 +36,10 @@ installed, JAX looks for a TPU first), and one process at a time can hold it:
     python benchmarks/bench_scale.py --target tpu-v5e --models 1B \
         --arms adam projected-8bit --accumulation 4
 
+On one TPU chip, `--layouts auto` lets the compiler choose the layouts of the
+parameters and the state (`jax.experimental.layout.Layout.AUTO`) instead of those a
+plain `jax.jit` takes them in; the results put such rows in a table of their own.
+
 XLA on CPU hoists a float32 copy of every stacked bfloat16 weight out of the scan
 (`while-loop-invariant-code-motion`); no GPU compiler does. This script turns that pass
 off, in `XLA_FLAGS`, before JAX starts, and reports one model with it on too.
@@ -103,6 +107,7 @@ from _llama import (
     matrix_shape,
 )
 from _report import add_out_argument, command, default_out, environment, produced_by
+from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
@@ -333,6 +338,8 @@ class Estimate:
         device receives per step (collectives inside loops counted once per
         iteration), counting a refresh of the projectors on every step; 1 and 0
         otherwise. `received_keep`: the same on a step that keeps the projectors.
+    - `layouts`: `"default"` (the layouts `jax.jit` gives the parameters and the
+        state) or `"auto"` (chosen by the compiler, `Layout.AUTO`).
     """
 
     model: str
@@ -353,6 +360,7 @@ class Estimate:
     received_keep: float = 0.0
     target: str = "cpu"
     accumulation: int = ACCUMULATION
+    layouts: str = "default"
 
     @property
     def total(self) -> int:
@@ -418,6 +426,13 @@ def _shardings(tree: Any, mesh, devices: int) -> Any:
     )
 
 
+LAYOUTS_AUTO_ONLY = (
+    "`layouts='auto'` (`--layouts auto`) is for one TPU chip (a `tpu-*` target, one "
+    "device): XLA:CPU lays each shape out one way, and the FSDP step's layouts follow "
+    "its shardings."
+)
+
+
 def estimate(
     config: LlamaConfig,
     arm: str,
@@ -427,6 +442,7 @@ def estimate(
     seq: int = SEQ,
     devices: int = 1,
     target: str = "cpu",
+    layouts: str = "default",
 ) -> Estimate:
     """Compiles one training step of the scanned Llama `config` with the optimiser
     `arm` and returns its memory, without running it or allocating its weights.
@@ -444,12 +460,21 @@ def estimate(
         axis), microbatches split; JAX must see that many devices.
     - `target`: a key of `TARGETS`: `"cpu"`, or a TPU generation compiled ahead of
         time without a TPU (one chip, or its 8-chip slice for `devices=8`).
+    - `layouts`: `"default"`, the layouts a plain `jax.jit(step)` takes its
+        parameters and state in; or `"auto"` (one TPU chip only): the compiler
+        chooses them (`jax.experimental.layout.Format(Layout.AUTO)` for the
+        parameters and the state, in and out), as a step does whose weights are
+        then put in those layouts (`jax.device_put(x, compiled.input_formats...)`).
 
     **Returns:**
 
     An `Estimate`: XLA's argument, output, alias and temp bytes (per device), their
     `total`, and the parts computed from shapes.
     """
+    if layouts not in ("default", "auto"):
+        raise ValueError(f'`layouts` must be "default" or "auto", got {layouts!r}')
+    if layouts == "auto" and (devices != 1 or target == "cpu"):
+        raise ValueError(LAYOUTS_AUTO_ONLY)
     params, state, tokens = _abstract_inputs(
         config, arm, batch * devices, accumulation, seq
     )
@@ -460,7 +485,10 @@ def estimate(
     chips = target_devices(target, devices)
     if devices == 1 and target != "cpu":
         one = jax.sharding.SingleDeviceSharding(chips[0])
-        jit_kwargs.update(in_shardings=(one, one, one), out_shardings=(one, one, one))
+        chosen = one if layouts == "default" else Format(Layout.AUTO, one)
+        jit_kwargs.update(
+            in_shardings=(chosen, chosen, one), out_shardings=(chosen, chosen, one)
+        )
     if devices > 1:
         mesh = jax.make_mesh(
             (devices,),
@@ -531,6 +559,7 @@ def estimate(
         received_keep,
         target,
         accumulation,
+        layouts,
     )
 
 
@@ -1077,14 +1106,30 @@ def _log(r: Estimate) -> None:
 
 
 def _target_key(r: dict) -> tuple:
-    return (r["model"], r["accumulation"], r["devices"], r["arm"], r["target"])
+    return (
+        r["model"],
+        r["accumulation"],
+        r["devices"],
+        r["arm"],
+        r["target"],
+        r.get("layouts", "default"),
+    )
+
+
+def _default_layouts(runs: list[dict]) -> list[dict]:
+    return [r for r in runs if r.get("layouts", "default") == "default"]
+
+
+def _estimate(r: dict) -> Estimate:
+    return Estimate(**{k: v for k, v in r.items() if k != "command"})
 
 
 def targets_table(runs: list[dict]) -> list[str]:
     """One row per model, step and arm; per target its total, its ratio to BF16
     Adam's total on the same target and step, its temp and its compile time."""
+    runs = _default_layouts(runs)
     targets = [t for t in TARGETS if any(r["target"] == t for r in runs)]
-    found = {_target_key(r): r for r in runs}
+    found = {_target_key(r)[:5]: r for r in runs}
     rows = sorted(
         {k[:4] for k in found},
         key=lambda k: (_model_order(k[0]), -k[1], k[2], _arm_order(k[3])),
@@ -1101,12 +1146,8 @@ def targets_table(runs: list[dict]) -> list[str]:
             if r is None:
                 cells += ["", "", "", ""]
                 continue
-            e = Estimate(**{k: v for k, v in r.items() if k != "command"})
-            ratio = (
-                f"{e.total / Estimate(**{k: v for k, v in adam.items() if k != 'command'}).total:.3f}"
-                if adam
-                else ""
-            )
+            e = _estimate(r)
+            ratio = f"{e.total / _estimate(adam).total:.3f}" if adam else ""
             cells += [_gib(e.total), ratio, _gib(e.temp), f"{e.compile_s:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -1116,7 +1157,7 @@ def fsdp_targets_table(runs: list[dict]) -> list[str]:
     """The FSDP rows (more than one device): per target and arm, the bytes each chip
     holds and the bytes each chip receives per step, read from the compiled HLO's
     collectives, on a step that keeps the projectors and on a refresh step."""
-    rows = [r for r in runs if r["devices"] > 1]
+    rows = [r for r in _default_layouts(runs) if r["devices"] > 1]
     rows.sort(
         key=lambda r: (
             r["target"],
@@ -1130,20 +1171,61 @@ def fsdp_targets_table(runs: list[dict]) -> list[str]:
         "chip per step, GiB | on a refresh step (three passes) | compile s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    found = {_target_key(r): r for r in rows}
+    found = {_target_key(r)[:5]: r for r in rows}
     for r in rows:
-        e = Estimate(**{k: v for k, v in r.items() if k != "command"})
+        e = _estimate(r)
         adam = found.get(
             (r["model"], r["accumulation"], r["devices"], "adam", r["target"])
         )
         ratio = ""
         if adam:
-            base = Estimate(**{k: v for k, v in adam.items() if k != "command"})
-            ratio = f"{e.total / base.total:.3f}"
+            ratio = f"{e.total / _estimate(adam).total:.3f}"
         lines.append(
             f"| {e.target} | {e.model} | {e.devices} | `{e.arm}` | {_gib(e.total)} | "
             f"{ratio} | {_gib(e.received_keep)} | {_gib(e.received)} | "
             f"{e.compile_s:.0f} |"
+        )
+    return lines
+
+
+def layouts_table(runs: list[dict]) -> list[str]:
+    """The rows compiled with the compiler's layouts (`--layouts auto`), each beside
+    the same step's total with the default layouts, each ratio to BF16 Adam's
+    compiled the same way."""
+    found = {_target_key(r): r for r in runs}
+    rows = sorted(
+        (r for r in runs if r.get("layouts") == "auto"),
+        key=lambda r: (
+            r["target"],
+            _model_order(r["model"]),
+            -r["accumulation"],
+            _arm_order(r["arm"]),
+        ),
+    )
+    lines = [
+        "| target | model | microbatches | arm | GiB, compiler's layouts | ÷ adam "
+        "| temp | compile s | GiB, default layouts | ÷ adam |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def total_and_ratio(key: tuple) -> tuple[str, str]:
+        r = found.get(key)
+        adam = found.get((*key[:3], "adam", *key[4:]))
+        if r is None:
+            return "", ""
+        e = _estimate(r)
+        ratio = f"{e.total / _estimate(adam).total:.3f}" if adam else ""
+        return _gib(e.total), ratio
+
+    for r in rows:
+        e = _estimate(r)
+        key = _target_key(r)
+        auto_total, auto_ratio = total_and_ratio(key)
+        default_total, default_ratio = total_and_ratio((*key[:5], "default"))
+        lines.append(
+            f"| {e.target} | {e.model} | {e.accumulation} | `{e.arm}` | {auto_total} | "
+            f"{auto_ratio} | {_gib(e.temp)} | {e.compile_s:.0f} | {default_total} | "
+            f"{default_ratio} |"
         )
     return lines
 
@@ -1221,6 +1303,23 @@ def render_targets(saved: dict) -> str:
             ),
             *(
                 [
+                    "With the compiler's layouts (`--layouts auto`, one TPU chip): "
+                    "the parameters and the optimiser state laid out as the compiler "
+                    "chooses (`jax.jit(step, in_shardings=(auto, auto, ...), "
+                    "out_shardings=(auto, auto, ...))` with `auto = "
+                    "jax.experimental.layout.Format(Layout.AUTO)`; a step run so "
+                    "puts its inputs in `compiled.input_formats` first), Adam's "
+                    "compiled the same way. The default layouts are the ones "
+                    "`jax.jit(step)` takes its inputs in, as in the tables above.",
+                    "",
+                    *layouts_table(runs),
+                    "",
+                ]
+                if any(r.get("layouts") == "auto" for r in runs)
+                else []
+            ),
+            *(
+                [
                     "Refused by the compiler (the step does not fit the chip):",
                     "",
                     *(
@@ -1258,6 +1357,7 @@ def run_targets(args) -> None:
                     accumulation=args.accumulation,
                     devices=args.devices,
                     target=args.target,
+                    layouts=args.layouts,
                 )
             except jax.errors.JaxRuntimeError as error:
                 # The TPU compiler refuses a program whose temporaries exceed the
@@ -1270,6 +1370,7 @@ def run_targets(args) -> None:
                     "target": args.target,
                     "accumulation": args.accumulation,
                     "devices": args.devices,
+                    "layouts": args.layouts,
                     "error": str(error).splitlines()[0],
                     "command": command(),
                 }
@@ -1336,12 +1437,21 @@ def parse_args(argv):
     parser.add_argument(
         "--devices", type=int, default=1, help="with --target: 1, or 8 for FSDP"
     )
+    parser.add_argument(
+        "--layouts",
+        choices=("default", "auto"),
+        default="default",
+        help="with --target tpu-* and one device: `auto` lets the compiler choose the "
+        "parameters' and the state's layouts (default: those `jax.jit` takes)",
+    )
     add_out_argument(parser, __file__)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.layouts == "auto" and (args.target in (None, "cpu") or args.devices != 1):
+        raise SystemExit(LAYOUTS_AUTO_ONLY)
     if args.target and not args.parts:
         run_targets(args)
         return

@@ -8,6 +8,7 @@ import ast
 import importlib.metadata
 import pathlib
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -248,6 +249,24 @@ def test_scale_benchmark_targets_table(tmp_path):
     assert [arm for arm, _, _ in rows] == ["adam", "marks-8bit"], text
     assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 0
     assert (out.with_suffix(".json")).exists()
+
+
+def test_scale_benchmark_refuses_compiler_layouts_off_a_tpu_chip(tmp_path):
+    # The compiler's layouts are a TPU figure: XLA:CPU has one layout per shape.
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_scale.py"),
+            *("--target", "cpu", "--models", "60M", "--arms", "adam"),
+            *("--layouts", "auto", "--out", str(tmp_path / "t.md")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "for one TPU chip" in result.stderr
+    assert not (tmp_path / "t.md").exists()
 
 
 @pytest.mark.slow
