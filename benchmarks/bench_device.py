@@ -317,16 +317,12 @@ def _aot_totals() -> dict[tuple, int]:
         return {}
     runs = json.loads(path.read_text())["runs"]
     return {
-        (r["model"], r["accumulation"], r["arm"], r["target"], _layouts(r)): (
+        (r["model"], r["accumulation"], r["arm"], r["target"], bs.layouts_of(r)): (
             r["argument"] + r["output"] - r["alias"] + r["temp"]
         )
         for r in runs
         if r["devices"] == 1
     }
-
-
-def _layouts(row: dict) -> str:
-    return row.get("layouts", "default")
 
 
 def _same_shape(row: dict) -> bool:
@@ -362,7 +358,7 @@ def table(rows: list[dict]) -> list[str]:
                 row["accumulation"],
                 row["arm"],
                 row.get("platform"),
-                _layouts(row),
+                bs.layouts_of(row),
             )
         )
         if not _same_shape(row):
@@ -424,7 +420,7 @@ def render(rows: list[dict], platform: str) -> str:
                     "(`compiled.input_formats`); the AOT estimate is "
                     "`bench_scale.py --layouts auto`'s.",
                 ]
-                if any(_layouts(r) == "auto" for r in rows)
+                if any(bs.layouts_of(r) == "auto" for r in rows)
                 else []
             ),
             "",

@@ -463,8 +463,9 @@ def estimate(
     - `layouts`: `"default"`, the layouts a plain `jax.jit(step)` takes its
         parameters and state in; or `"auto"` (one TPU chip only): the compiler
         chooses them (`jax.experimental.layout.Format(Layout.AUTO)` for the
-        parameters and the state, in and out), as a step does whose weights are
-        then put in those layouts (`jax.device_put(x, compiled.input_formats...)`).
+        parameters and the state, in and out), as a step does whose weights and
+        state are then built in those layouts (`compiled.input_formats`, see
+        `docs/llm.md`).
 
     **Returns:**
 
@@ -1112,12 +1113,17 @@ def _target_key(r: dict) -> tuple:
         r["devices"],
         r["arm"],
         r["target"],
-        r.get("layouts", "default"),
+        layouts_of(r),
     )
 
 
+def layouts_of(r: dict) -> str:
+    """A saved row's layouts (rows saved before `--layouts` have the default)."""
+    return r.get("layouts", "default")
+
+
 def _default_layouts(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r.get("layouts", "default") == "default"]
+    return [r for r in runs if layouts_of(r) == "default"]
 
 
 def _estimate(r: dict) -> Estimate:
@@ -1194,7 +1200,7 @@ def layouts_table(runs: list[dict]) -> list[str]:
     compiled the same way."""
     found = {_target_key(r): r for r in runs}
     rows = sorted(
-        (r for r in runs if r.get("layouts") == "auto"),
+        (r for r in runs if layouts_of(r) == "auto"),
         key=lambda r: (
             r["target"],
             _model_order(r["model"]),
@@ -1315,7 +1321,7 @@ def render_targets(saved: dict) -> str:
                     *layouts_table(runs),
                     "",
                 ]
-                if any(r.get("layouts") == "auto" for r in runs)
+                if any(layouts_of(r) == "auto" for r in runs)
                 else []
             ),
             *(
