@@ -1,10 +1,12 @@
-"""What the layer-by-layer projection of `qto.accumulate_gradients` saves, by how a
-scanned model holds its stacked weights.
+"""What the layer-by-layer projection of `qto.accumulate_gradients` and `qto.mark`
+saves, by how a scanned model holds its stacked weights.
 
-One step of `accumulate_gradients` (4 microbatches) over a stack of attention-like
-layers run by `lax.scan` over a checkpointed body, compiled with
-`by_layer=True` (the default) and `by_layer=False`, for three layouts of the same
-weights:
+One gradient over a stack of attention-like layers run by `lax.scan` over a
+checkpointed body, compiled with `by_layer=True` (the default) and `by_layer=False`,
+for four layouts of the same weights. `--path accumulate` (the default) takes it
+with `accumulate_gradients` over 4 microbatches; `--path mark` with
+`quax_tangents.value_and_grad` of the loss with `qto.mark(params, state)`, over the
+same tokens as one batch. The layouts:
 
 - `matrices`: each weight stored `(layers, d, heads * head_dim)`;
 - `per-head`: stored `(layers, d, heads, head_dim)` and viewed with `dims=(1, 1)`,
@@ -20,11 +22,13 @@ not a timing. Run it with
     python benchmarks/bench_by_layer.py                  # 8 layers, d = 512, CPU
     python benchmarks/bench_by_layer.py --shape large    # 16 layers, d = 2048
     python benchmarks/bench_by_layer.py --target tpu-v5e # one v5e chip, no TPU
+    python benchmarks/bench_by_layer.py --path mark      # the marks in the loss
     python benchmarks/bench_by_layer.py --quick          # tiny (smoke run)
 
 A TPU target needs libtpu (`pip install "jax[tpu]"`, kept out of the test
 environment). The results go to
-benchmarks/results/bench_by_layer-<shape>-<target>.md (a quick run's to
+benchmarks/results/bench_by_layer-<shape>-<target>.md (`--path mark`:
+bench_by_layer-mark-<shape>-<target>.md; a quick run's to
 benchmarks/results/quick/, which git ignores), or to `--out`.
 """
 
@@ -39,9 +43,11 @@ import optax
 from _report import add_out_argument, default_out, environment, produced_by
 from _targets import TARGETS, target_devices
 
+import quax_tangents as qt
 import quax_tangents.optax as qto
 
 
+PATHS = ("accumulate", "mark")
 LAYOUTS = ("matrices", "per-head", "jit around the scan", "inside an outer scan")
 MICROBATCHES = 4
 
@@ -115,8 +121,10 @@ def _dims(layout: str):
     return (lambda w: (1, 1)) if layout == "per-head" else None
 
 
-def temp_bytes(shape: Shape, layout: str, by_layer: bool, devices: list) -> int:
-    """The compiled `temp` bytes of one `accumulate_gradients` step."""
+def temp_bytes(
+    shape: Shape, layout: str, path: str, by_layer: bool, devices: list
+) -> int:
+    """The compiled `temp` bytes of one gradient, taken the way `path` names."""
     sharding = jax.sharding.SingleDeviceSharding(devices[0])
     params, tokens = _abstract(shape, layout, sharding)
     tx = qto.projected(optax.scale_by_adam(), rank=shape.rank, dims=_dims(layout))
@@ -129,8 +137,15 @@ def temp_bytes(shape: Shape, layout: str, by_layer: bool, devices: list) -> int:
     def loss(p, x):
         return jnp.mean(model(p, x) ** 2)
 
-    def step(p, s, x):
+    def accumulated(p, s, x):
         return qto.accumulate_gradients(loss, p, s, x, by_layer=by_layer)
+
+    def marked(p, s, x):
+        batch = x.reshape(-1, *x.shape[2:])
+        marked_loss = lambda p: loss(qto.mark(p, s, by_layer=by_layer), batch)  # noqa: E731
+        return qt.value_and_grad(marked_loss)(p)
+
+    step = accumulated if path == "accumulate" else marked
 
     with warnings.catch_warnings():
         # The `inside an outer scan` layout warns, as it should; the table says so.
@@ -143,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", choices=sorted(TARGETS), default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--path", choices=PATHS, default="accumulate")
     parser.add_argument("--quick", action="store_true", help="tiny shapes")
     add_out_argument(parser, __file__)
     args = parser.parse_args()
@@ -151,13 +167,20 @@ def main() -> None:
     rows = []
     start = time.perf_counter()
     for layout in LAYOUTS:
-        on, off = (temp_bytes(shape, layout, b, devices) for b in (True, False))
+        on, off = (
+            temp_bytes(shape, layout, args.path, b, devices) for b in (True, False)
+        )
         rows.append((layout, on, off))
     seconds = time.perf_counter() - start
     mib = 2**20
-    lines = produced_by("The layer-by-layer projection of `accumulate_gradients`")
+    taken = {
+        "accumulate": f"`accumulate_gradients` over {MICROBATCHES} microbatches of",
+        "mark": f"`qt.value_and_grad` with `qto.mark`, one batch of {MICROBATCHES} x",
+    }[args.path]
+    name = "accumulate_gradients" if args.path == "accumulate" else "mark"
+    lines = produced_by(f"The layer-by-layer projection of `{name}`")
     lines += [
-        f"One step over {MICROBATCHES} microbatches of {shape.batch} x {shape.seq} "
+        f"One gradient by {taken} {shape.batch} x {shape.seq} "
         f"tokens, {shape.layers} scanned layers of two weights (d = {shape.d}, "
         f"{shape.heads} heads of {shape.head_dim}), rank {shape.rank}; compiled for "
         f"{args.target} ({devices[0].device_kind}). XLA's temp bytes:",
@@ -178,7 +201,8 @@ def main() -> None:
     lines += environment(("jax", "jaxlib", "quax", "optax"), backend)
     out = args.out or default_out(__file__, args.quick)
     if args.out is None and not args.quick:
-        out = out.with_name(f"{out.stem}-{args.shape}-{args.target}.md")
+        path = "" if args.path == "accumulate" else f"-{args.path}"
+        out = out.with_name(f"{out.stem}{path}-{args.shape}-{args.target}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -22,8 +22,8 @@ BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 
 
-def _run_quick(script: str, out: pathlib.Path) -> str:
-    run_script(BENCHMARKS / script, "--quick", "--out", str(out))
+def _run_quick(script: str, out: pathlib.Path, *args: str) -> str:
+    run_script(BENCHMARKS / script, "--quick", "--out", str(out), *args)
     return out.read_text()
 
 
@@ -181,8 +181,10 @@ def test_encoders_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_by_layer_benchmark_quick(tmp_path):
-    text = _run_quick("bench_by_layer.py", tmp_path / "by_layer.md")
+@pytest.mark.parametrize("path", ["accumulate", "mark"])
+def test_by_layer_benchmark_quick(tmp_path, path):
+    text = _run_quick("bench_by_layer.py", tmp_path / "by_layer.md", "--path", path)
+    assert {"accumulate": "accumulate_gradients", "mark": "qto.mark"}[path] in text
     for layout in ("matrices", "per-head", "jit around the scan"):
         assert f"| {layout} |" in text
     # Inside an outer scan, `by_layer` changes nothing: the same program either way.

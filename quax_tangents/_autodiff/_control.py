@@ -38,13 +38,8 @@ from .._core._registry import rule
 from .._core._sharding import sliced_struct
 from .._marks import _marked_scan
 from .._marks._cotangents import mark_p
-from .._marks._projection import (
-    finish_p,
-    outer_sum_p,
-    projected_factor_p,
-    projection_p,
-    rows_p,
-)
+from .._marks._projection import finish_p, outer_sum_p, rows_p
+from .._marks._slices import projected_factor_p, projected_pair_p, projection_p
 from .._types._primitives import compress_p, outer_p
 from .._types.lowrank import LowRank
 
@@ -57,6 +52,7 @@ _CONSTRUCTION = (
     rows_p,
     finish_p,
     projected_factor_p,
+    projected_pair_p,
     projection_p,
 )
 _construction_cache: dict[int, tuple[Any, bool]] = {}

@@ -187,6 +187,22 @@ def projected_cotangent(
 
     `w`.
     """
+    return projected_mark(w, rank, projector, key, iters, oversample, by_layer=False)
+
+
+def projected_mark(
+    w: Any,
+    rank: int,
+    projector: Any,
+    key: Any,
+    iters: int,
+    oversample: int,
+    *,
+    by_layer: bool,
+) -> Any:
+    """`projected_cotangent`, and with `by_layer` a stacked weight that one
+    `lax.scan` slices is projected layer by layer in that scan's backward pass
+    (`quax_tangents._marks._marked_scan`; the optax layer's marks ask for it)."""
     batch, (m, n) = _check_matrix("w", w)
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `w` {(m, n)}"
@@ -202,7 +218,9 @@ def projected_cotangent(
         source, operands = Switch(), (matrix, projector.refresh, key_data)
     else:
         source, operands = Given(), (_check_projector(projector, w, rank),)
-    spec = Finish("projected", rank, iters, source, key_impl, oversample)
+    spec = Finish(
+        "projected", rank, iters, source, key_impl, oversample, by_layer=by_layer
+    )
     return bind_mark(spec, w, operands)
 
 
@@ -393,7 +411,8 @@ def _finished_bwd(spec: Finish, operands: tuple, ct: Any) -> tuple:
     if spec.token in _state.projected_by_scan:
         raise ValueError(
             "A marked stacked weight was both scanned over by `lax.scan` and used "
-            f"elsewhere; its gradient would count the running sum twice. {_ONE_SCAN}"
+            "elsewhere; the scan projected its layers' gradients, which leaves out "
+            f"what the other uses add. {_ONE_SCAN}"
         )
     # A bwd rule may not return a quax value; a primitive whose quax rule builds one
     # can, because under the trace its output is a tracer.
@@ -408,18 +427,21 @@ _finished.defvjp(_finished_fwd, _finished_bwd, symbolic_zeros=True)
 # ---------------------------------------------------------------------------------------
 # Marks whose stack a scan may project layer by layer
 #
-# A `GivenInto` projection of a stacked weight (how `accumulate_gradients` adds a
-# microbatch's projection into the running sum) is linear per slice: when a
-# `lax.scan` slices the marked stack, its backward pass can project each layer's
-# cotangent as soon as it is made and write the slice of the sum in place
-# (`quax_tangents._marks._marked_scan`), instead of keeping every layer's factors (each
-# matrix's inputs and output cotangents for every token) until the projection.
+# A projection of a stacked weight is a projection of each slice: when a `lax.scan`
+# slices the marked stack, its backward pass can project each layer's cotangent as
+# soon as it is made (`quax_tangents._marks._marked_scan`), instead of keeping every
+# layer's factors (each matrix's inputs and output cotangents for every token, so
+# growing with the batch) until the projection. A `Phased` mark's slice (how
+# `accumulate_gradients` adds a microbatch's projection into the running sum) is
+# written over its slice of the sum in place; any other's (`Given`, `Fresh`,
+# `Switch`: the marks of `quax_tangents.optax.mark`) gives the layer's projector and
+# factor as the scan's outputs.
 
 
 class Pushable(NamedTuple):
     """What the scan needs of such a mark: the weight before the mark, its
-    operands (the projector, or the key data of a sketch's test matrices, or a
-    `Phased` mark's; the stacked sum last), and the spec."""
+    operands (those of its source: for a `Phased` mark the stacked sum last), and
+    the spec."""
 
     marked_output: Any
     weight: Any
@@ -431,22 +453,17 @@ _tokens = itertools.count(1)
 
 
 def _register_pushable(spec: Finish, w: Any, operands: tuple) -> Finish | None:
-    if (
-        spec.kind != "projected"
-        or not spec.source.into
-        or not spec.by_layer
-        or jnp.ndim(w) < 3
-    ):
+    if spec.kind != "projected" or not spec.by_layer or jnp.ndim(w) < 3:
         return None
     return dataclasses.replace(spec, token=next(_tokens))
 
 
 def pushable(x: Any) -> Pushable | None:
-    """The mark behind `x`, if `x` is a stacked `GivenInto` (or `SketchKeyInto`)
-    mark as `mark_p` made it, not transposed since. A cast (`w.astype(bfloat16)`, as
-    mixed-precision policies do) and a matrix view (`dims=` on a per-head weight)
-    are kept: the scan slices the stack's layers either way, and the body sees
-    each slice cast or viewed."""
+    """The mark behind `x`, if `x` is a stacked projection mark asked to be
+    projected layer by layer, as `mark_p` made it, not transposed since. A cast
+    (`w.astype(bfloat16)`, as mixed-precision policies do) and a matrix view
+    (`dims=` on a per-head weight) are kept: the scan slices the stack's layers
+    either way, and the body sees each slice cast or viewed."""
     if not isinstance(x, Marked) or x.transposed or not x.token:
         return None
     entry = _state.pushable.get(x.token)
@@ -456,17 +473,18 @@ def pushable(x: Any) -> Pushable | None:
 
 
 _ONE_SCAN = (
-    "`quax_tangents.optax.accumulate_gradients` projects a stacked weight's "
-    "gradient layer by layer in the backward pass of the `lax.scan` over its stack, "
-    "writing it into the running sum; that needs the stack to be used in exactly one "
-    "scan and nowhere else. Pass `by_layer=False` to `accumulate_gradients` for a "
-    "model that uses it more than once: the same result, with each layer's factors "
-    "kept until the scan ends."
+    "`quax_tangents.optax.accumulate_gradients` (and `qto.galore(...).value_and_grad`"
+    ") and `quax_tangents.optax.mark` project a stacked weight's gradient layer by "
+    "layer in the backward pass of the `lax.scan` over its stack; that needs the "
+    "stack to be used in exactly one scan and nowhere else. Pass `by_layer=False` to "
+    "`accumulate_gradients` or `mark` for a model that uses it more than once: the "
+    "same result, with each layer's factors kept until the scan ends."
 )
 
 
 class LayerByLayerWarning(UserWarning):
-    """Warned when `quax_tangents.optax.accumulate_gradients(by_layer=True)` finds a
+    """Warned when `quax_tangents.optax.accumulate_gradients(by_layer=True)` (or
+    `quax_tangents.optax.mark(by_layer=True)`, the default of both) finds a
     `lax.scan` over (or closing over) a stacked projected weight that it cannot
     project layer by layer: the result is the same, but every layer's factors are
     kept until the scan ends."""

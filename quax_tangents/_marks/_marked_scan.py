@@ -28,10 +28,12 @@ import numpy as np
 import quax
 
 from .._core._compat import scan_counts
-from .._core._layout import constrain, drop_leading
+from .._core._layout import constrain, drop_leading, explicit_sharding
 from . import _cotangents
 from ._marked import Marked
-from ._projection import projected_factor, projection, typed_as
+from ._projection import typed_as
+from ._slices import projected_factor, projected_pair, projection
+from ._sources import Fresh
 
 
 def _is_float(x: Any) -> bool:
@@ -148,9 +150,12 @@ def _backward(
     VJP of the body with the marked operands as `Marked` values.
 
     `projected` maps the position of a scanned-over marked stack to its `(spec,
-    operands)` (the projector `P` first, the sum `S` last): each iteration projects its layer's cotangent and writes
+    operands)`: each iteration projects its layer's cotangent `G_l`. For a mark
+    into a running sum (the projector `P` first, the sum `S` last) it writes
     `S_l + G_l^T P_l` over that slice of `S`, and the stack's cotangent is the
-    stacked `LowRank(P, S)` (see `scan_with_projected_xs`)."""
+    stacked `LowRank(P, S)`; for any other it writes its projector over that slice
+    of the given stack of projectors (in place: a keep step writes what it read)
+    and gives its factor as the iteration's output (see `scan_with_projected_xs`)."""
     projected = projected or {}
     consts, xs = list(arrays[:nc]), list(arrays[nc + nk :])
     ct_carry, ct_ys = list(cts[:nk]), list(cts[nk:])
@@ -161,11 +166,12 @@ def _backward(
     xs_diff = [
         i for i in range(len(xs)) if diff[nc + nk + i] and nc + nk + i not in projected
     ]
-    pushed = sorted(projected)
+    pushed = sorted(i for i in projected if projected[i][0].source.into)
+    paired = sorted(i for i in projected if not projected[i][0].source.into)
     float_positions = [i for i, d in enumerate(diff) if d]
 
     def back_step(acc: tuple, inp: tuple) -> tuple:
-        ct_k, ct_c, running = acc
+        ct_k, ct_c, running, bases = acc
         index, carry_t, x_t, ct_y_t = inp
         inputs = [*consts, *carry_t, *x_t]
         in_cts = _iteration_cotangents(
@@ -175,19 +181,23 @@ def _backward(
             _add_projected_slice(in_cts[i], index, total, *projected[i])
             for i, total in zip(pushed, running)
         ]
+        pairs = [_projected_slice(in_cts[i], index, *projected[i]) for i in paired]
+        new_bases = [_write_slice(b, p, index) for b, (p, _) in zip(bases, pairs)]
+        factors = [f for _, f in pairs]
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
         new_ct_c = [c + in_cts[i] for c, i in zip(ct_c, const_dense)]
         per_iteration = [in_cts[i] for i in const_marked]
         ct_x = [in_cts[nc + nk + i] for i in xs_diff]
-        return (new_ct_k, new_ct_c, new_sums), (per_iteration, ct_x)
+        return (new_ct_k, new_ct_c, new_sums, new_bases), (per_iteration, ct_x, factors)
 
     float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
     init = (
         [ct_carry[i] for i in carry_diff],
         [jnp.zeros_like(arrays[i]) for i in const_dense],
         [projected[i][1][-1] for i in pushed],
+        [_given_projectors(arrays[i], *projected[i]) for i in paired],
     )
-    (ct_k, ct_c, running), (ct_marked, ct_xs) = jax.lax.scan(
+    (ct_k, ct_c, running, bases), (ct_marked, ct_xs, factors) = jax.lax.scan(
         back_step,
         init,
         (jnp.arange(options["length"]), list(carries), xs, float_ct_ys),
@@ -202,8 +212,9 @@ def _backward(
         # The iterations' factors side by side: their exact sum.
         result[i] = jnp.sum(ct, axis=0)
     for i, total in zip(pushed, running):
-        spec, operands = projected[i]
-        result[i] = _stacked_projection(spec, operands[0], total, arrays[i])
+        result[i] = _stacked_projection(projected[i][1][0], total, arrays[i])
+    for i, basis, factor in zip(paired, bases, factors):
+        result[i] = _stacked_projection(basis, factor, arrays[i])
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
     for i, ct in zip(xs_diff, ct_xs):
@@ -226,9 +237,40 @@ def _add_projected_slice(
     return jax.lax.dynamic_update_index_in_dim(running, new, index, 0)
 
 
-def _stacked_projection(spec: Any, projector: Any, total: Any, w: Any) -> Any:
-    """The stacked `LowRank(P, S)` of the weight `w` whose slices of `S` the
-    backward scan wrote, typed as `w`'s cotangent."""
+def _projected_slice(ct: Any, index: Any, spec: Any, operands: tuple) -> list[Any]:
+    """The projector and factor of slice `index` of a stacked mark whose projector
+    is not a running sum's, from the layer's cotangent `ct` (`G_l`) and its slice
+    of the mark's `operands` (a `Switch`'s refresh flag is shared)."""
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)  # noqa: E731
+    sliced = tuple(
+        take(o) if cut else o for o, cut in zip(operands, spec.source.per_slice)
+    )
+    return projected_pair(ct, sliced, spec)
+
+
+def _write_slice(stack: Any, value: Any, index: Any) -> Any:
+    """`stack` with its slice `index` replaced by `value`, laid out as a slice of
+    `stack` where mesh axes are explicit (they are part of the types, which an
+    update must match)."""
+    value = constrain(
+        value.astype(stack.dtype), drop_leading(explicit_sharding(stack), 1)
+    )
+    return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
+
+
+def _given_projectors(w: Any, spec: Any, operands: tuple) -> Any:
+    """The stack of projectors that a backward scan writes each layer's over: the
+    given one (`Given`, `Switch`), or zeros for a `Fresh` mark's."""
+    if isinstance(spec.source, Fresh):
+        *batch, m, n = jnp.shape(w)
+        return jnp.zeros((*batch, min(m, n), spec.rank), jnp.result_type(w))
+    return operands[0]
+
+
+def _stacked_projection(projector: Any, total: Any, w: Any) -> Any:
+    """The stacked `LowRank(P, S)` of the weight `w` whose slices of `S` (and of
+    `P`, for a mark not into a sum) the backward scan wrote, typed as `w`'s
+    cotangent."""
     out = projection(projector.astype(total.dtype), total, _projector_left(w))
     return typed_as(out, jax.typeof(w))
 
@@ -236,21 +278,23 @@ def _stacked_projection(spec: Any, projector: Any, total: Any, w: Any) -> Any:
 # ---------------------------------------------------------------------------------------
 # A scan over the stack of a marked weight, projected layer by layer
 #
-# When a scan slices a stacked weight marked for a `GivenInto` projection (a
-# given projector `P` and a running sum `S`, as `accumulate_gradients` marks it),
-# JAX's transpose of the scan would emit every layer's cotangent factors as a stacked
+# When a scan slices a stacked weight marked for a projection layer by layer (a
+# given projector `P` and a running sum `S`, as `accumulate_gradients` marks it, or
+# a given, fresh or switched projector, as `quax_tangents.optax.mark` does), JAX's
+# transpose of the scan would emit every layer's cotangent factors as a stacked
 # output, kept until the mark projects them after the scan. Here the scan runs as a
 # `jax.custom_vjp` whose backward pass, layer by layer (in reverse), recomputes the
 # body from its stored input carry, takes its VJP with the layer's weight as a
-# `Marked` value, projects that layer's cotangent with its projector and writes
-# `S_l + G_l^T P_l` over the slice of the sum, in place. The weight's cotangent is
-# the stacked `LowRank(P, S)`: the same numbers as the mark's own finish, slice by
-# slice, with one layer's factors alive at a time.
+# `Marked` value, projects that layer's cotangent and writes `S_l + G_l^T P_l` over
+# the slice of the sum, in place (or gives the layer's `P_l` and `G_l^T P_l` as the
+# scan's outputs). The weight's cotangent is the stacked `LowRank(P, S)`: the same
+# numbers as the mark's own finish, slice by slice, with one layer's factors alive
+# at a time.
 
 
 def applies_projected(args: Sequence[Any], num_consts: int, num_carry: int) -> bool:
     """Whether a scan's operands call for `scan_with_projected_xs`: a scanned-over
-    stack marked for a `GivenInto` projection, and no other quax value."""
+    stack marked for a projection layer by layer, and no other quax value."""
     xs = args[num_consts + num_carry :]
     if not any(_cotangents.pushable(x) is not None for x in xs):
         return False
@@ -267,13 +311,15 @@ def warn_unless_projected(args: Sequence[Any]) -> None:
     for x in args:
         if isinstance(x, Marked) and x.by_layer:
             warnings.warn(
-                "`accumulate_gradients(by_layer=True)`: a `lax.scan` uses the stacked "
+                "`accumulate_gradients` / `mark` (`by_layer=True`): a `lax.scan` uses "
+                "the stacked "
                 f"projected weight of shape {x.shape} but cannot project its gradient "
                 "layer by layer, so every layer's factors are kept until the scan "
                 "ends (the same result, more memory). That needs the scan to take "
                 "the marked stack itself as its `xs` (cast or viewed by `dims=`, "
                 "not transposed), not closed over by an outer scan. Pass "
-                "`by_layer=False` to `accumulate_gradients` if this is intended. "
+                "`by_layer=False` to `accumulate_gradients` (or `mark`) if this is "
+                "intended. "
                 "(Through `qto.galore(...).value_and_grad`, which always projects "
                 "layer by layer: check which leaves `project=` chose; a stacked "
                 "`(layers, d)` norm or bias is a matrix by shape only.)",

@@ -42,7 +42,10 @@ from .._types.rows import SparseRows
 from ._sources import Fresh, Phased, Source
 
 
-def _define(primitive: jexc.Primitive, dense: Callable, abstract: Callable) -> None:
+def define_primitive(
+    primitive: jexc.Primitive, dense: Callable, abstract: Callable
+) -> None:
+    """`primitive`'s dense semantics (outside a quax trace) and its shapes."""
     primitive.def_impl(dense)
     primitive.def_abstract_eval(abstract)
     mlir.register_lowering(primitive, mlir.lower_fun(dense, multiple_results=False))
@@ -77,7 +80,7 @@ def _rows_abstract(ids: Any, rows: Any, *, num_rows: int) -> jax.core.ShapedArra
     return jax.core.ShapedArray((num_rows, *rows.shape[1:]), rows.dtype)
 
 
-_define(rows_p, _rows_dense, _rows_abstract)
+define_primitive(rows_p, _rows_dense, _rows_abstract)
 
 
 @rule(rows_p)
@@ -107,11 +110,12 @@ class Finish:
     source: Source = Fresh()
     key_impl: str = "threefry2x32"
     oversample: int = 4
-    # Which mark a `Phased` spec belongs to, when a scan over its stack may
-    # project it layer by layer (see `quax_tangents._marks._marked_scan`); not compared.
+    # Which mark a spec belongs to, when a scan over its stack may project it layer
+    # by layer (see `quax_tangents._marks._marked_scan`); not compared.
     token: int = dataclasses.field(default=0, compare=False)
-    # Whether a scan over the stack may do so (`accumulate_gradients(by_layer=...)`).
-    by_layer: bool = True
+    # Whether a scan over a stacked weight may project it layer by layer
+    # (`accumulate_gradients(by_layer=...)`, `quax_tangents.optax.mark(by_layer=...)`).
+    by_layer: bool = False
     # How the running sum `S` of an `into` source is laid out over a mesh (a
     # `NamedSharding`, or None): each slice's new sum is constrained to its share,
     # so that the partitioner reduce-scatters it rather than all-reducing.
@@ -388,7 +392,7 @@ def _finish_abstract(ct: Any, *operands: Any, spec: Finish) -> jax.core.ShapedAr
     return ct
 
 
-_define(finish_p, _finish_dense, _finish_abstract)
+define_primitive(finish_p, _finish_dense, _finish_abstract)
 
 
 def _finish_jvp(primals: tuple, tangents: tuple, *, spec: Finish) -> tuple:
@@ -489,82 +493,3 @@ def unique_rows(x: SparseRows) -> SparseRows:
         one = jax.vmap(one)
     ids, rows = one(x.indices, x.rows)
     return SparseRows.build(ids, rows, x.num_rows)
-
-
-# ---------------------------------------------------------------------------------------
-# One slice of a `Phased` projection, inside a loop over the slices, and the
-# stacked result put back together (see `quax_tangents._marks._marked_scan`)
-
-projected_factor_p = jexc.Primitive("projected_factor")
-
-
-def _factor(result: LowRank) -> Array:
-    """The factor of a projection that is not the projector."""
-    return result.right if result.projector_side == "left" else result.left
-
-
-def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
-    return _factor(project_dense(spec, ct, operands))
-
-
-def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
-    return jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)
-
-
-_define(projected_factor_p, _projected_factor_dense, _projected_factor_abstract)
-
-
-def projected_factor(ct: Any, operands: tuple, total: Any, spec: Finish) -> Any:
-    """The factor that a `Phased` finish of one matrix's cotangent `ct` (`G`)
-    gives with its `operands` and the sum `total` (`S + G^T P` for a given
-    projector, `S + G Q` for a tall matrix; a sketch in its phases that sketch),
-    with `ct`'s factors kept apart under quax."""
-    return projected_factor_p.bind(ct, *operands, total, spec=spec)
-
-
-@rule(projected_factor_p)
-def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
-    return _factor(project_outer(spec, ct, operands))
-
-
-@rule(projected_factor_p, dense_output=True)
-def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Array:
-    record_densification(
-        projected_factor_p.name,
-        ("Marked",),
-        "the marked weight's cotangent in one iteration of the scan is dense",
-    )
-    ct = jnp.asarray(ct)
-    return _factor(project_dense(spec, ct, operands))
-
-
-projection_p = jexc.Primitive("projection")
-
-
-def _projection_dense(projector: Array, factor: Array, *, left: bool) -> Array:
-    product = jnp.matmul(projector, jnp.swapaxes(factor, -1, -2))
-    return product if left else jnp.swapaxes(product, -1, -2)
-
-
-def _projection_abstract(projector: Any, factor: Any, *, left: bool) -> Any:
-    *batch, side, _ = projector.shape
-    other = factor.shape[-2]
-    shape = (*batch, side, other) if left else (*batch, other, side)
-    return jax.core.ShapedArray(tuple(shape), factor.dtype)
-
-
-_define(projection_p, _projection_dense, _projection_abstract)
-
-
-def projection(projector: Any, factor: Any, left: bool) -> Any:
-    """`P F^T` (`left`) or `F P^T`, a `LowRank` with `projector_side` under quax:
-    the stacked projection whose factors a loop over the slices wrote."""
-    return projection_p.bind(projector, factor, left=left)
-
-
-@rule(projection_p)
-def _projection_rule(projector: ArrayLike, factor: ArrayLike, *, left: bool) -> LowRank:
-    projector, factor = jnp.asarray(projector), jnp.asarray(factor)
-    if left:
-        return unchecked(LowRank, left=projector, right=factor, projector_side="left")
-    return unchecked(LowRank, left=factor, right=projector, projector_side="right")

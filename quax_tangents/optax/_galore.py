@@ -169,12 +169,18 @@ class GaLore(eqx.Module):
         return state
 
     def mark(
-        self, params: PyTree, state: Any, *, key: PRNGKeyArray | None = None
+        self,
+        params: PyTree,
+        state: Any,
+        *,
+        key: PRNGKeyArray | None = None,
+        by_layer: bool = True,
     ) -> PyTree:
         """`params` with the marks the state calls for, inside a loss that
         `quax_tangents.value_and_grad` differentiates ([`quax_tangents.optax.mark`][]
-        with this pipeline's `iters`). `value_and_grad` applies them itself."""
-        return mark(params, state, key=key, iters=self.iters)
+        with this pipeline's `iters`; `by_layer` as there). `value_and_grad`
+        applies them itself."""
+        return mark(params, state, key=key, iters=self.iters, by_layer=by_layer)
 
     def value_and_grad(
         self,

@@ -9,7 +9,7 @@ import jax.tree_util as jtu
 import quax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._marks._cotangents import Projector, projected_cotangent, sparse_rows_cotangent
+from .._marks._cotangents import Projector, projected_mark, sparse_rows_cotangent
 from .._marks._matrix_view import to_matrix
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
@@ -87,7 +87,13 @@ def plan_leaves(state: ProjectedState, params: PyTree, where: str):
 
 
 def _mark_leaf(
-    leaf: Any, plan: LeafPlan | None, projector: Any, refresh: Any, key: Any, iters: int
+    leaf: Any,
+    plan: LeafPlan | None,
+    projector: Any,
+    refresh: Any,
+    key: Any,
+    iters: int,
+    by_layer: bool,
 ) -> Any:
     if plan is None or leaf is None:
         return leaf
@@ -96,14 +102,15 @@ def _mark_leaf(
     return in_matrix_view(
         leaf,
         plan,
-        lambda w: projected_cotangent(
+        lambda w: projected_mark(
             w,
             plan.rank,
-            projector=Projector(projector, refresh),
-            key=key,
-            iters=iters,
+            Projector(projector, refresh),
+            key,
+            iters,
             # As `accumulate_gradients` finds it: its sums have `rank` columns.
-            oversample=0,
+            0,
+            by_layer=by_layer,
         ),
     )
 
@@ -127,6 +134,7 @@ def mark(
     *,
     key: PRNGKeyArray | None = None,
     iters: int = 0,
+    by_layer: bool = True,
 ) -> PyTree:
     """The parameters with the marks that a [`quax_tangents.optax.projected`][] state
     calls for, so that their gradients come back in the form it takes: on each
@@ -173,11 +181,21 @@ def mark(
         each iteration costs two more passes over the model; here, products with
         the gradient's factors). `quax_tangents.projected_cotangent`, used on its
         own, defaults to 1.
+    - `by_layer`: when the loss runs a stacked projected leaf through `lax.scan`
+        (the blocks of a scanned model), project each layer's gradient in that
+        scan's backward pass, so that one layer's gradient factors (its inputs and
+        output cotangents, for every token of the batch) are alive at a time, not
+        every layer's. As for `accumulate_gradients`, it needs the stack to be used
+        in exactly one scan and nowhere else (a `ValueError` says so otherwise);
+        `False` keeps every layer's factors until the scan ends, for any use,
+        with the same result.
 
     **Returns:**
 
     `params`, marked.
     """
+    if not isinstance(by_layer, bool):
+        raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     inner = find_state(state, "`quax_tangents.optax.mark`")
     plans, leaves, projectors, treedef = plan_leaves(
         inner, params, "`quax_tangents.optax.mark`"
@@ -188,7 +206,7 @@ def mark(
     keys = leaf_keys(key, inner, len(projected_leaves))
     key_of = {i: keys[j] for j, i in enumerate(projected_leaves)}
     marked = [
-        _mark_leaf(leaf, plan, projector, inner.refresh, key_of.get(i), iters)
+        _mark_leaf(leaf, plan, projector, inner.refresh, key_of.get(i), iters, by_layer)
         for i, (leaf, plan, projector) in enumerate(zip(leaves, plans, projectors))
     ]
     return jtu.tree_unflatten(treedef, marked)

@@ -28,9 +28,9 @@ def tolerance(dtype) -> float:
 def assert_close(actual, expected, dtype=None, *, scale=None, factor=1.0):
     """`actual` equals `expected` up to the rounding of `dtype`.
 
-    The error is measured against `scale` (default: the largest magnitude of
-    `expected`, at least 1), which keeps sums of many terms from failing on
-    cancellation.
+    The error is measured against the largest magnitude of `expected` (at least
+    1), or against `scale` where that is larger, which keeps sums of many terms
+    from failing on cancellation.
     """
     actual = np.asarray(jnp.asarray(qt.materialise(actual), jnp.float32), np.float64)
     expected = np.asarray(
@@ -38,8 +38,8 @@ def assert_close(actual, expected, dtype=None, *, scale=None, factor=1.0):
     )
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     dtype = dtype if dtype is not None else jnp.float32
-    if scale is None:
-        scale = max(float(np.max(np.abs(expected), initial=0.0)), 1.0)
+    largest = max(float(np.max(np.abs(expected), initial=0.0)), 1.0)
+    scale = largest if scale is None else max(scale, largest)
     error = float(np.max(np.abs(actual - expected), initial=0.0))
     bound = factor * tolerance(dtype) * scale
     assert error <= bound, f"max error {error:.3g} > {bound:.3g} ({jnp.dtype(dtype)})"

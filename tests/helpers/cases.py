@@ -27,7 +27,8 @@ class Case:
     out_type: type | tuple[type, ...] | None = None
     # Extra slack for lossy or reordered arithmetic, in multiples of the tolerance.
     factor: float = 1.0
-    # Magnitude the error is measured against (default: max |expected|, at least 1).
+    # Magnitude the error is measured against, where larger than max |expected|
+    # (at least 1): the size of a sum whose terms may cancel.
     scale: float | None = None
 
 

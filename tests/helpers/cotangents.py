@@ -1,6 +1,6 @@
 """Cases of the rules behind the cotangent marks: the `OuterSum` type, the
-construction primitives of `quax_tangents._marks._projection`, and the `Marked`
-weight."""
+construction primitives of `quax_tangents._marks._projection` and `_slices`, and the
+`Marked` weight."""
 
 import math
 
@@ -13,13 +13,11 @@ import quax_tangents as qt
 from quax_tangents._core._lax import add_any_p
 from quax_tangents._marks._cotangents import mark_p
 from quax_tangents._marks._marked import Marked, full_perm
-from quax_tangents._marks._projection import (
-    Finish,
-    finish_p,
-    outer_sum_p,
+from quax_tangents._marks._projection import Finish, finish_p, outer_sum_p, rows_p
+from quax_tangents._marks._slices import (
     projected_factor_p,
+    projected_pair_p,
     projection_p,
-    rows_p,
 )
 from quax_tangents._marks._sources import Fresh, Given, Phased, Switch
 from quax_tangents._types.outer import OuterSum
@@ -241,6 +239,46 @@ def _projected_factor_dense():
         g = random_array(draw(seeds()), (*batch, *shape))
         spec, operands = draw(_into_operands(shape, batch))
         fn = _projected_factor_fn(spec)
+        return Case(fn, (g, *operands), out_type=jax.Array, factor=4.0)
+
+    return draw_case()
+
+
+def _projected_pair_fn(spec, wide):
+    """The projection that `projected_pair`'s projector and factor make (`P F^T`,
+    or `F P^T` for a tall matrix): the projector's columns beyond the gradient's
+    rank are any orthonormal completion, so the pair is compared through it."""
+
+    def fn(ct, *operands):
+        projector, factor = projected_pair_p.bind(ct, *operands, spec=spec)
+        product = projector @ jnp.swapaxes(factor, -1, -2)
+        return product if wide else jnp.swapaxes(product, -1, -2)
+
+    return fn
+
+
+@case("projected_pair", "OuterSum", "*dense")
+def _projected_pair_outer():
+    @st.composite
+    def draw_case(draw):
+        x = draw(outer_sums(dtype=jnp.float32, batch=draw(batches(max_ndim=1))))
+        m, n = x.shape[-2:]
+        spec, operands = draw(_finish_operands((m, n), x.shape[:-2]))
+        fn = _projected_pair_fn(spec, m <= n)
+        return Case(fn, (x, *operands), out_type=jax.Array, factor=50.0)
+
+    return draw_case()
+
+
+@case("projected_pair", "dense", "*dense")
+def _projected_pair_dense():
+    @st.composite
+    def draw_case(draw):
+        batch = draw(batches(max_ndim=1))
+        m, n = (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+        g = random_array(draw(seeds()), (*batch, m, n))
+        spec, operands = draw(_finish_operands((m, n), batch))
+        fn = _projected_pair_fn(spec, m <= n)
         return Case(fn, (g, *operands), out_type=jax.Array, factor=4.0)
 
     return draw_case()

@@ -508,7 +508,9 @@ def test_the_gradient_through_any_view_matches_dense(data):
 def _phased(rank, tested=False):
     from quax_tangents._marks._projection import Finish
 
-    return Finish("projected", rank, 0, Phased(tested=tested), "threefry2x32", 0)
+    return Finish(
+        "projected", rank, 0, Phased(tested=tested), "threefry2x32", 0, by_layer=True
+    )
 
 
 def _key_data(seed, batch):
@@ -634,17 +636,27 @@ def test_a_given_into_stack_scanned_over_is_projected_layer_by_layer(
         assert_close(factor, expected)
 
 
-def test_a_given_into_stack_used_in_and_out_of_a_scan_raises(scans_projected):
+@pytest.mark.parametrize("mark_kind", ["given into a sum", "given, by layer"])
+def test_a_stack_projected_in_its_scan_and_used_outside_it_raises(
+    mark_kind, scans_projected
+):
+    # The scan projects the layers' gradients, which leaves out what the other use
+    # adds: refused, naming the option that serves any use.
     params = stacked_params((3,), M, N)
-    mark = _given_into(_projectors((3,)), _totals((3,)))
+    if mark_kind == "given into a sum":
+        mark = _given_into(_projectors((3,)), _totals((3,)))
+    else:
+        mark = _mark_by_layer("given", _projectors((3,)))
 
     def loss(params):
         marked = mark(params)
         decay = jnp.sum(marked["w"] ** 2)  # a use outside the scan
         return jnp.sum(scanned(X, marked) ** 2) + decay
 
-    with qt.fallback("silent"), pytest.raises(ValueError, match="both scanned over"):
+    with qt.fallback("silent"), pytest.raises(ValueError) as error:
         qt.grad(loss)(params)
+    assert "both scanned over" in str(error.value)
+    assert "by_layer=False" in str(error.value)
     assert scans_projected
 
 
@@ -660,7 +672,7 @@ def test_the_layer_by_layer_primitives_match_their_dense_semantics(seed, batch, 
     # under quax) against the dense product of its factors.
     import quax
 
-    from quax_tangents._marks._projection import projected_factor, projection
+    from quax_tangents._marks._slices import projected_factor, projection
     from quax_tangents._types.outer import OuterSum
 
     m, n = sides
@@ -750,3 +762,68 @@ def test_a_sketch_phase_stack_scanned_over_is_sketched_layer_by_layer(
         expected = totals[name] + _phase_product(PHASE_DRAWN, g, None, None, keys, R)
         sketch = grads[name].right if side == "left" else grads[name].left
         assert_close(sketch, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# A projection mark that is not into a sum (`Given`, `Fresh`, `Switch`, as
+# `quax_tangents.optax.mark` marks a stack), asked to be projected layer by layer
+
+
+def _mark_by_layer(kind, projectors, by_layer=True):
+    from quax_tangents._marks._cotangents import projected_mark
+
+    def mark(name, w):
+        projector = {
+            "given": projectors[name],
+            "switch": qt.Projector(projectors[name], jnp.asarray(False)),
+            "switch-refresh": qt.Projector(projectors[name], jnp.asarray(True)),
+            "fresh": None,
+        }[kind]
+        key = jax.random.key(1)
+        return projected_mark(w, R, projector, key, 1, 1, by_layer=by_layer)
+
+    return lambda params: {name: mark(name, w) for name, w in params.items()}
+
+
+@pytest.mark.parametrize("kind", ["given", "switch", "switch-refresh", "fresh"])
+@pytest.mark.parametrize("batch", BATCHES.values(), ids=BATCHES.keys())
+def test_a_stack_marked_by_layer_is_projected_in_the_scan(kind, batch, scans_projected):
+    # Each layer's projector and factor, found in the scan's backward pass, are the
+    # mark's own finish after the scan (the same key per slice, so the same fresh
+    # projectors), and the projection of the dense gradient.
+    params, projectors = stacked_params(batch, M, N), _projectors(batch)
+    grad = jax.jit(qt.grad(_loss), static_argnums=(1, 2))
+    with qt.fallback("error"):
+        after = grad(params, _mark_by_layer(kind, projectors, by_layer=False), True)
+        assert not scans_projected
+        by_layer = grad(params, _mark_by_layer(kind, projectors), True)
+    assert scans_projected
+    for name in SIDES:
+        assert by_layer[name].projector_side == after[name].projector_side
+        assert_close(by_layer[name].left, after[name].left)
+        assert_close(by_layer[name].right, after[name].right)
+    dense = jax.jit(jax.grad(_loss), static_argnums=(1, 2))(params, None, True)
+    checked = "fresh" if kind == "switch-refresh" else kind
+    _check_projected(by_layer, dense, batch, checked, projectors)
+
+
+def test_a_stack_marked_by_layer_keeps_no_stacked_factors(scans_projected):
+    # As for a `Phased` mark: the output cotangent of `w` for every layer, a stacked
+    # `(layers, N, rows)` buffer when the projection runs after the scan, is never
+    # formed when each layer is projected in the scan's backward pass.
+    batch, rows = (3,), 10
+    params, projectors = stacked_params(batch, M, N), _projectors(batch)
+    x = random_array(9, (rows, M))
+
+    def step(by_layer):
+        def loss(params, projectors):
+            marked = _mark_by_layer("switch", projectors, by_layer)(params)
+            return jnp.sum(scanned(x, marked, remat=True) ** 2)
+
+        return jax.jit(qt.grad(loss))
+
+    stacked = f"f32[{batch[0]},{N},{rows}]"
+    assert weight_buffers(step(False), (params, projectors), stacked)
+    assert not scans_projected
+    assert weight_buffers(step(True), (params, projectors), stacked) == []
+    assert scans_projected

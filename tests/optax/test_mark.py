@@ -285,10 +285,12 @@ def test_a_dense_use_of_a_viewed_leaf_is_counted():
     def loss(p):  # weight decay on the stored weight: a dense cotangent
         return attention_loss(p, x) + 1e-3 * jnp.sum(p["query"] ** 2)
 
+    # A stack used outside its scan is not projected layer by layer.
+    marked = lambda p: loss(qto.mark(p, state, by_layer=False))  # noqa: E731
     with qt.fallback("error"), pytest.raises(qt.DensificationError):
-        qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+        qt.grad(marked)(params)
     with pytest.warns(qt.DensificationWarning):
-        grads = qt.grad(lambda p: loss(qto.mark(p, state)))(params)
+        grads = qt.grad(marked)(params)
     # Still the projection of the whole gradient, in the matrix view.
     _projected_view(grads["query"], jax.grad(loss)(params)["query"], DIMS["query"])
 
@@ -327,3 +329,87 @@ def test_no_weight_shaped_buffer_for_viewed_leaves():
     marked, dense, inputs_only = found
     assert all(m <= i for m, i in zip(marked, inputs_only)), (marked, inputs_only)
     assert sum(dense) > sum(inputs_only), "the unmarked step forms weight gradients"
+
+
+# ---------------------------------------------------------------------------------------
+# A scanned model's stacks, projected layer by layer in the scan's backward pass
+
+
+def _stacked_setup():
+    params = {
+        "emb": random_array(0, (D, D)),
+        "w": random_array(1, (LAYERS, D, 2 * D)) / 4,
+        "v": random_array(2, (LAYERS, 2 * D, D)) / 4,
+    }
+    project = {"emb": False, "w": True, "v": True}
+    tx = qto.projected(optax.adam(1e-2), rank=RANK, project=project)
+    return params, tx
+
+
+def _scanned_loss(params, x):
+    def body(h, wv):
+        w, v = wv
+        return h + jnp.tanh(h @ w) @ v, None
+
+    h, _ = jax.lax.scan(
+        jax.checkpoint(body), x @ params["emb"], (params["w"], params["v"])
+    )
+    return jnp.sum(h**2)
+
+
+def test_a_scanned_stack_is_projected_layer_by_layer(scans_projected):
+    # The default (`by_layer=True`) gives what the marks' own finish gives after the
+    # scan (`by_layer=False`), on a refresh step and on a step that keeps the
+    # projectors, and the projection of the dense gradient.
+    params, tx = _stacked_setup()
+    x = random_array(3, (5, D))
+
+    def gradients(params, state, by_layer):
+        marked = lambda p: _scanned_loss(qto.mark(p, state, by_layer=by_layer), x)  # noqa: E731
+        return qt.grad(marked)(params)
+
+    state = tx.init(params)
+    dense = jax.grad(_scanned_loss)(params, x)
+    for refresh in (True, False):
+        # Traced again each time, to count the scans that project.
+        grads = jax.jit(lambda *a: gradients(*a), static_argnums=2)
+        after = grads(params, state, False)
+        assert not scans_projected
+        by_layer = grads(params, state, True)
+        assert scans_projected
+        scans_projected.clear()
+        for name in ("w", "v"):
+            g = by_layer[name]
+            assert isinstance(g, qt.LowRank) and g.batch_ndim == 1
+            assert g.projector_side == after[name].projector_side
+            assert_close(g.left, after[name].left)
+            assert_close(g.right, after[name].right)
+            projector = g.left if g.projector_side == "left" else g.right
+            assert_close(g, project(dense[name], projector, g.projector_side))
+            if not refresh:
+                np.testing.assert_array_equal(projector, state.projector[name])
+        assert bool(state.refresh) == refresh
+        _, state = tx.update(after, state, params)
+
+
+def test_a_stack_used_outside_its_scan_asks_for_by_layer_false():
+    params, tx = _stacked_setup()
+    state, x = tx.init(params), random_array(3, (5, D))
+
+    def loss(p, by_layer):
+        marked = qto.mark(p, state, by_layer=by_layer)
+        return _scanned_loss(marked, x) + jnp.sum(marked["w"] ** 2)
+
+    with qt.fallback("silent"):
+        with pytest.raises(ValueError, match="by_layer=False"):
+            qt.grad(loss)(params, True)
+        grads = qt.grad(loss)(params, False)
+    dense = jax.grad(lambda p: _scanned_loss(p, x) + jnp.sum(p["w"] ** 2))(params)
+    g = grads["w"]
+    assert_close(g, project(dense["w"], g.left, "left"))
+
+
+def test_by_layer_must_be_a_bool():
+    params, tx = _stacked_setup()
+    with pytest.raises(TypeError, match="by_layer"):
+        qto.mark(params, tx.init(params), by_layer=1)

@@ -1,0 +1,167 @@
+"""Construction primitives of one slice of a stacked projection, for a loop over
+the slices (the backward pass of a `lax.scan` over a marked stack, see
+`quax_tangents._marks._marked_scan`), and of the stacked result put back together.
+
+- `projected_factor_p(ct, *operands, total, spec=)`: a `Phased` slice's factor added
+    into its running sum;
+- `projected_pair_p(ct, *operands, spec=)`: any other slice's projector and factor;
+- `projection_p(projector, factor, left=)`: the stacked `LowRank` of the factors.
+
+Outside a quax trace each one computes its dense semantics, as those of
+`quax_tangents._marks._projection` do.
+"""
+
+from typing import Any
+
+import jax
+import jax.core
+import jax.extend.core as jexc
+import jax.numpy as jnp
+from jax.interpreters import mlir
+from jaxtyping import Array, ArrayLike
+
+from .._core._fallback import record_densification
+from .._core._registry import rule
+from .._core._unchecked import unchecked
+from .._types.lowrank import LowRank
+from .._types.outer import OuterSum
+from ._projection import Finish, define_primitive, project_dense, project_outer
+
+
+# ---------------------------------------------------------------------------------------
+# One slice of a `Phased` projection, inside a loop over the slices, and the
+# stacked result put back together (see `quax_tangents._marks._marked_scan`)
+
+projected_factor_p = jexc.Primitive("projected_factor")
+
+
+def _factor(result: LowRank) -> Array:
+    """The factor of a projection that is not the projector."""
+    return result.right if result.projector_side == "left" else result.left
+
+
+def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
+    return _factor(project_dense(spec, ct, operands))
+
+
+def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
+    return jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)
+
+
+define_primitive(
+    projected_factor_p, _projected_factor_dense, _projected_factor_abstract
+)
+
+
+def projected_factor(ct: Any, operands: tuple, total: Any, spec: Finish) -> Any:
+    """The factor that a `Phased` finish of one matrix's cotangent `ct` (`G`)
+    gives with its `operands` and the sum `total` (`S + G^T P` for a given
+    projector, `S + G Q` for a tall matrix; a sketch in its phases that sketch),
+    with `ct`'s factors kept apart under quax."""
+    return projected_factor_p.bind(ct, *operands, total, spec=spec)
+
+
+@rule(projected_factor_p)
+def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
+    return _factor(project_outer(spec, ct, operands))
+
+
+def _projected_dense_slice(
+    primitive: jexc.Primitive, ct: ArrayLike, operands: tuple, spec: Finish
+) -> LowRank:
+    """The projection of one slice's dense cotangent, counted as a densification."""
+    record_densification(
+        primitive.name,
+        ("Marked",),
+        "the marked weight's cotangent in one iteration of the scan is dense",
+    )
+    return project_dense(spec, jnp.asarray(ct), operands)
+
+
+@rule(projected_factor_p, dense_output=True)
+def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Array:
+    return _factor(_projected_dense_slice(projected_factor_p, ct, operands, spec))
+
+
+# ---------------------------------------------------------------------------------------
+# One slice of a projection whose projector is not a running sum's (`Given`, `Fresh`,
+# `Switch`): its projector and its factor, as two arrays, for a scan over the stack
+# to write as its outputs (see `quax_tangents._marks._marked_scan`)
+
+projected_pair_p = jexc.Primitive("projected_pair")
+projected_pair_p.multiple_results = True
+
+
+def _pair(result: LowRank) -> list[Array]:
+    """`[projector, factor]` of a projection."""
+    projector = result.left if result.projector_side == "left" else result.right
+    return [projector, _factor(result)]
+
+
+def _projected_pair_dense(ct: Array, *operands: Array, spec: Finish) -> list[Array]:
+    return _pair(project_dense(spec, ct, operands))
+
+
+def _projected_pair_abstract(ct: Any, *operands: Any, spec: Finish) -> list[Any]:
+    *batch, m, n = ct.shape
+    small, large = min(m, n), max(m, n)
+    return [
+        jax.core.ShapedArray((*batch, small, spec.rank), ct.dtype),
+        jax.core.ShapedArray((*batch, large, spec.rank), ct.dtype),
+    ]
+
+
+projected_pair_p.def_impl(_projected_pair_dense)
+projected_pair_p.def_abstract_eval(_projected_pair_abstract)
+mlir.register_lowering(
+    projected_pair_p, mlir.lower_fun(_projected_pair_dense, multiple_results=True)
+)
+
+
+def projected_pair(ct: Any, operands: tuple, spec: Finish) -> list[Any]:
+    """The projector and the factor that the finish of one matrix's cotangent `ct`
+    (`G`) gives with its `operands` (`P` and `G^T P` for a wide matrix, `Q` and
+    `G Q` for a tall one), with `ct`'s factors kept apart under quax."""
+    return projected_pair_p.bind(ct, *operands, spec=spec)
+
+
+@rule(projected_pair_p)
+def _projected_pair_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> list:
+    return _pair(project_outer(spec, ct, operands))
+
+
+@rule(projected_pair_p, dense_output=True)
+def _projected_pair_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> list:
+    return _pair(_projected_dense_slice(projected_pair_p, ct, operands, spec))
+
+
+projection_p = jexc.Primitive("projection")
+
+
+def _projection_dense(projector: Array, factor: Array, *, left: bool) -> Array:
+    product = jnp.matmul(projector, jnp.swapaxes(factor, -1, -2))
+    return product if left else jnp.swapaxes(product, -1, -2)
+
+
+def _projection_abstract(projector: Any, factor: Any, *, left: bool) -> Any:
+    *batch, side, _ = projector.shape
+    other = factor.shape[-2]
+    shape = (*batch, side, other) if left else (*batch, other, side)
+    return jax.core.ShapedArray(tuple(shape), factor.dtype)
+
+
+define_primitive(projection_p, _projection_dense, _projection_abstract)
+
+
+def projection(projector: Any, factor: Any, left: bool) -> Any:
+    """`P F^T` (`left`) or `F P^T`, a `LowRank` with `projector_side` under quax:
+    the stacked projection whose factors a loop over the slices wrote."""
+    return projection_p.bind(projector, factor, left=left)
+
+
+@rule(projection_p)
+def _projection_rule(projector: ArrayLike, factor: ArrayLike, *, left: bool) -> LowRank:
+    projector, factor = jnp.asarray(projector), jnp.asarray(factor)
+    if left:
+        return unchecked(LowRank, left=projector, right=factor, projector_side="left")
+    return unchecked(LowRank, left=factor, right=projector, projector_side="right")
