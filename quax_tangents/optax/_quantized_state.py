@@ -21,6 +21,7 @@ below the block's largest:
 The kind of code is chosen per block and stored in the sign of the block's float32
 scale. Blocks run along the last axis of a leaf (at most `block_size` elements each,
 the last one padded), so a leaf sharded along any other axis keeps its blocks local.
+A stack of matrices stores its rows padded to a multiple of 8 (see `_ROW_MULTIPLE`).
 
 Rounding is stochastic by default: up or down to the neighbouring levels with the
 probabilities that make the decoded value unbiased. Adam changes its second moment
@@ -64,8 +65,11 @@ class LogQuantized(eqx.Module):
 
     **Fields:**
 
-    - `codes`: uint8 `(*shape[:-1], num_blocks, block_size)`.
-    - `scales`: float32 `(*shape[:-1], num_blocks)`.
+    - `codes`: uint8 `(*shape[:-1], num_blocks, block_size)`; for a stack of
+        matrices (3 dims or more) the rows `shape[-2]` are zero-padded to a
+        multiple of 8.
+    - `scales`: float32 `(*shape[:-1], num_blocks)`, its rows padded as the
+        codes'.
     - `value_shape`, `value_dtype`: the shape and dtype of the array (static).
     """
 
@@ -98,8 +102,9 @@ def log_quantize(
     - `block_size`: elements per block along the last axis (fewer when the last
         axis is shorter).
     - `noise`: `None` to round to the nearest level (in the logarithm), or uniform
-        numbers in `[0, 1)` of the blocked shape `(*x.shape[:-1], num_blocks,
-        block)` for unbiased stochastic rounding.
+        numbers in `[0, 1)` of the blocked shape (`blocked_shape(x.shape,
+        block_size)`: `(*x.shape[:-1], num_blocks, block)`, rows padded as the
+        codes') for unbiased stochastic rounding.
 
     **Returns:**
 
@@ -115,14 +120,48 @@ def log_quantize(
 # The codes
 
 
+# The rows of a stack's codes are padded to this multiple (a matrix's are not: its
+# rows may be the chunks that `layerwise` cuts a leaf into). A TPU lays out an array
+# whose two minor dims are not multiples of its tile with a stack dim inside the
+# tiles, so that taking one layer's slice is a relayout of the whole stack: for
+# `(24, 5461, 512)` moments (GaLore's 1B MLP factors, encoded one layer's slice at
+# a time under `layerwise`) the codes `(24, 5461, 2, 256)` get the layers in
+# the tiles by default, and the 1B step compiled for a TPU v5e chip copied all six
+# such stacks to another layout and back around its loop over the layers
+# (`benchmarks/bench_scale.py --target tpu-v5e`). Rows padded to 5464 keep the
+# layers outermost. The padding is at most 7 zero rows per matrix.
+_ROW_MULTIPLE = 8
+
+
+def _padded_rows(shape: tuple[int, ...]) -> int | None:
+    """The stored row count of a leaf of `shape`, or None when it is not padded."""
+    if len(shape) < 3 or shape[-2] % _ROW_MULTIPLE == 0:
+        return None
+    return -(-shape[-2] // _ROW_MULTIPLE) * _ROW_MULTIPLE
+
+
+def blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """The shape of the codes of a leaf of `shape`: `(*shape[:-1], num_blocks,
+    block)`, the rows of a stack padded to a multiple of 8."""
+    block = min(block_size, shape[-1])
+    lead = list(shape[:-1])
+    rows = _padded_rows(shape)
+    if rows is not None:
+        lead[-1] = rows
+    return (*lead, -(-shape[-1] // block), block)
+
+
 def _blocks(x: Array, block: int) -> Array:
-    """`x` as float32 `(*lead, num_blocks, block)`, its last axis zero-padded."""
-    last = x.shape[-1]
-    count = -(-last // block)
+    """`x` as float32 `blocked_shape(x.shape, block)`, zero-padded."""
+    *lead, count, block = blocked_shape(tuple(x.shape), block)
+    pad = [(0, 0)] * x.ndim
+    pad[-1] = (0, count * block - x.shape[-1])
+    if x.ndim >= 2:
+        pad[-2] = (0, lead[-1] - x.shape[-2])
     x = x.astype(jnp.float32)
-    if count * block != last:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count * block - last)])
-    return x.reshape(*x.shape[:-1], count, block)
+    if any(after for _, after in pad):
+        x = jnp.pad(x, pad)
+    return x.reshape(*lead, count, block)
 
 
 class _Code(NamedTuple):
@@ -193,6 +232,8 @@ def _decode(codes: Array, scales: Array, shape: tuple[int, ...], dtype: Any) -> 
     values = jnp.where(signed, jnp.sign(c) * magnitude, magnitude)
     values = values * jnp.abs(scales)[..., None]
     values = values.reshape(*values.shape[:-2], -1)[..., : shape[-1]]
+    if _padded_rows(shape) is not None:
+        values = values[..., : shape[-2], :]
     return values.astype(dtype)
 
 
@@ -346,10 +387,8 @@ def quantized_state(
                 return x
             noise = None
             if stochastic:
-                block = min(block_size, x.shape[-1])
-                shape = (*x.shape[:-1], -(-x.shape[-1] // block), block)
                 seed = count * np.int32(7919) + np.int32(next(position))
-                noise = _block_noise(shape, seed)
+                noise = _block_noise(blocked_shape(x.shape, block_size), seed)
             return log_quantize(x, block_size, noise=noise)
 
         return _map_state(leaf, state)

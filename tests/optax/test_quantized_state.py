@@ -152,6 +152,39 @@ def test_round_to_nearest_error_bound(rows, cols, low, signed):
     assert np.all(error[~kept] <= floor[~kept])
 
 
+@settings(deadline=None, max_examples=15)
+@given(
+    layers=st.integers(1, 4),
+    rows=st.integers(1, 19),
+    cols=st.sampled_from([1, 7, 256, 300]),
+    signed=st.booleans(),
+)
+def test_a_stack_stores_its_rows_padded_and_decodes_each_slice_alone(
+    layers, rows, cols, signed
+):
+    # A stack's codes hold rows padded to a multiple of 8, so that a TPU keeps the
+    # stack dim outermost; the numbers are those of each matrix encoded alone, and
+    # a slice of the codes decodes as `layerwise` takes it (the stack's static
+    # shape, one layer's codes).
+    rng = np.random.default_rng(layers * 10_000 + rows * 100 + cols)
+    x = rng.uniform(0.1, 1.0, (layers, rows, cols))
+    if signed:
+        x = x * rng.choice([-1.0, 1.0], x.shape)
+    x = jnp.asarray(x, jnp.float32)
+    stack = qto.log_quantize(x)
+    padded = -(-rows // 8) * 8
+    assert stack.codes.shape[:2] == (layers, padded)
+    assert stack.scales.shape[:2] == (layers, padded)
+    np.testing.assert_array_equal(stack.scales[:, rows:], 0.0)
+    decoded = stack.decode()
+    assert decoded.shape == x.shape
+    for layer in range(layers):
+        alone = qto.log_quantize(x[layer]).decode()
+        np.testing.assert_array_equal(decoded[layer], alone)
+        one = jax.tree.map(lambda a, i=layer: a[i : i + 1], stack)
+        np.testing.assert_array_equal(one.decode()[0], alone)
+
+
 def test_stochastic_rounding_is_unbiased():
     # A value between two levels decodes to it on average: Adam's 0.1% steps of the
     # second moment survive where rounding to nearest would undo them.
