@@ -102,9 +102,9 @@ def log_quantize(
     - `block_size`: elements per block along the last axis (fewer when the last
         axis is shorter).
     - `noise`: `None` to round to the nearest level (in the logarithm), or uniform
-        numbers in `[0, 1)` of the blocked shape (`blocked_shape(x.shape,
-        block_size)`: `(*x.shape[:-1], num_blocks, block)`, rows padded as the
-        codes') for unbiased stochastic rounding.
+        numbers in `[0, 1)` of the codes' shape (`(*x.shape[:-1], num_blocks,
+        block)`, a stack's rows padded to a multiple of 8) for unbiased
+        stochastic rounding.
 
     **Returns:**
 
@@ -112,6 +112,13 @@ def log_quantize(
     """
     block = min(block_size, x.shape[-1])
     blocks = _blocks(x, block)
+    if noise is not None and tuple(jnp.shape(noise)) != blocks.shape:
+        raise ValueError(
+            f"`noise` has shape {list(jnp.shape(noise))}; for `x` of shape "
+            f"{list(x.shape)} and `block_size={block_size}` it must have the codes' "
+            f"shape {list(blocks.shape)} (the last axis in blocks of {block}, a "
+            "stack's rows padded to a multiple of 8)."
+        )
     codes, scales = _encode(blocks, noise)
     return LogQuantized(codes, scales, tuple(x.shape), jnp.dtype(x.dtype))
 

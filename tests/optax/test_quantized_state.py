@@ -185,6 +185,14 @@ def test_a_stack_stores_its_rows_padded_and_decodes_each_slice_alone(
         np.testing.assert_array_equal(one.decode()[0], alone)
 
 
+def test_noise_of_the_unpadded_shape_is_refused_naming_the_codes_shape():
+    x = jnp.ones((2, 5, 300), jnp.float32)
+    with pytest.raises(ValueError, match=r"`noise`.*\[2, 8, 2, 256\]"):
+        qto.log_quantize(x, noise=jnp.zeros((2, 5, 2, 256)))
+    noise = jnp.full((2, 8, 2, 256), 0.5)
+    assert qto.log_quantize(x, noise=noise).decode().shape == x.shape
+
+
 def test_stochastic_rounding_is_unbiased():
     # A value between two levels decodes to it on average: Adam's 0.1% steps of the
     # second moment survive where rounding to nearest would undo them.
