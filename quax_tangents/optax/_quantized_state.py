@@ -147,7 +147,7 @@ def _padded_rows(shape: tuple[int, ...]) -> int | None:
     return -(-shape[-2] // _ROW_MULTIPLE) * _ROW_MULTIPLE
 
 
-def blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+def _blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
     """The shape of the codes of a leaf of `shape`: `(*shape[:-1], num_blocks,
     block)`, the rows of a stack padded to a multiple of 8."""
     block = min(block_size, shape[-1])
@@ -159,8 +159,8 @@ def blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
 
 
 def _blocks(x: Array, block: int) -> Array:
-    """`x` as float32 `blocked_shape(x.shape, block)`, zero-padded."""
-    *lead, count, block = blocked_shape(tuple(x.shape), block)
+    """`x` as float32 `_blocked_shape(x.shape, block)`, zero-padded."""
+    *lead, count, block = _blocked_shape(tuple(x.shape), block)
     pad = [(0, 0)] * x.ndim
     pad[-1] = (0, count * block - x.shape[-1])
     if x.ndim >= 2:
@@ -395,7 +395,7 @@ def quantized_state(
             noise = None
             if stochastic:
                 seed = count * np.int32(7919) + np.int32(next(position))
-                noise = _block_noise(blocked_shape(x.shape, block_size), seed)
+                noise = _block_noise(_blocked_shape(x.shape, block_size), seed)
             return log_quantize(x, block_size, noise=noise)
 
         return _map_state(leaf, state)
