@@ -7,7 +7,7 @@ over the microbatches, each marked with `P`, adding up their small factors. On a
 refresh step every microbatch must use the same fresh projector, the range finder's
 of `G`, which only needs products with `G`, and so sums of products with each `G_i`:
 
-1. `Y = (1/k) sum_i G_i Ω` for the Gaussian test matrix `Ω` (`rank` columns) that
+1. `Y = (1/k) sum_i G_i Ω` for the random-sign test matrix `Ω` (`rank` columns) that
    the mark's range finder draws from the same key; `Q = orth(Y)`;
 2. (per power iteration, `T = orth(G^T Q)`, then `Q = orth(G T)`);
 3. `B = (1/k) sum_i G_i^T Q`; then, as the range finder ends, `U` the left singular
