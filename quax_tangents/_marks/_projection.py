@@ -171,8 +171,8 @@ def test_matrix(key: Any, shape: tuple[int, int], rank: int, oversample: int) ->
     matrix whose column space it finds (`m` the smaller side of the weight)."""
     # Random signs, not Gaussian draws: the range finder needs a sub-Gaussian sketch
     # only (Halko, Martinsson and Tropp, 2011), and the normal's inverse error
-    # function was 2.7 s of the 1B step's compile time for a TPU v5e chip (29.5
-    # against 26.7 s with signs; `benchmarks/bench_scale.py --target tpu-v5e`).
+    # function cost 1.2 to 2.6 s of the 1B step's compile time for a TPU v5e chip
+    # (one microbatch, two runs: 29.5 -> 28.3 s and 32.9 -> 30.3 s).
     width = sketch_width(shape, rank, oversample)
     return jax.random.rademacher(key, (shape[1], width), _work_dtype(jnp.float32))
 

@@ -155,9 +155,8 @@ def _padded_rows(shape: tuple[int, ...]) -> int | None:
 
 # A TPU's vector lanes: a block wider than this is padded to a multiple of it, so
 # that splitting a row into blocks is no relayout. Blocks of 508 (a 32000-wide
-# table in blocks of at most 512) made the 1B model's update compile in 12.2 s
-# instead of 7.5 s for a TPU v5e chip (`benchmarks/bench_scale.py --parts 1B
-# projected-8bit --target tpu-v5e`).
+# table in blocks of at most 512) made the 1B model's update, compiled alone for a
+# TPU v5e chip, take 12.2 s instead of 7.5 s with blocks of 512.
 _LANES = 128
 
 
@@ -202,8 +201,8 @@ def _blocks(x: Array, block_size: int) -> Array:
 # less those of 1.0 (`127 << 3`), plus the kind's top level. Encoding and decoding
 # are integer arithmetic on the bits: a logarithm and two powers per element, as an
 # earlier form computed the levels, made the 8-bit update the largest part of the
-# projected step's compile time on a TPU (`benchmarks/bench_scale.py --target
-# tpu-v5e`: 7.4 s against 6.7 s for the 1B model's update alone).
+# projected step's compile time on a TPU (the 1B model's update compiled alone for
+# a TPU v5e chip: 7.4 s against 6.7 s with the bits).
 _MANTISSA_BITS = 3
 _DROPPED_BITS = 23 - _MANTISSA_BITS
 _ONE = 127 << _MANTISSA_BITS  # the kept bits of 1.0
@@ -403,8 +402,8 @@ def quantized_state(
         embedding's, in one block: with blocks of 256 the 1B step compiled for a
         TPU v5e chip held 0.49 GiB more (`benchmarks/bench_scale.py --target
         tpu-v5e --accumulation 4`; the TPU laid the codes' two minor dims,
-        `(2, 256)`, out away from the rows) and its update compiled in 7.4 s
-        instead of 4.5 s. Only the codes' floor is relative to the block's
+        `(2, 256)`, out away from the rows) and its update, compiled alone, took
+        6.7 s instead of 4.5 s. Only the codes' floor is relative to the block's
         largest entry; the precision of each entry is not.
     - `stochastic`: unbiased stochastic rounding (`True`) or rounding to the nearest
         level in the logarithm.
