@@ -115,6 +115,13 @@ def log_quantize(
 
     The codes and scales.
     """
+    block_size = check_int("block_size", block_size, 2)
+    if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"`x` must be a floating array with at least one dimension, got "
+            f"{x.dtype} of shape {list(x.shape)}; cast an integer array first "
+            "(`x.astype(jnp.float32)`)."
+        )
     blocks = _blocks(x, block_size)
     if noise is not None and tuple(jnp.shape(noise)) != blocks.shape:
         raise ValueError(

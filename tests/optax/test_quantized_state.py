@@ -217,6 +217,20 @@ def test_a_width_of_768_in_blocks_of_512_is_two_blocks_of_384():
     assert qto.log_quantize(jnp.ones((2, 32000)), 2048).codes.shape == (2, 16, 2048)
 
 
+@pytest.mark.parametrize(
+    "x, kwargs, error, match",
+    [
+        (jnp.ones(8), {"block_size": 0}, ValueError, "`block_size` must be at least 2"),
+        (jnp.ones(8), {"block_size": 2.5}, TypeError, "`block_size` must be an int"),
+        (jnp.ones(()), {}, ValueError, "`x` must be a floating array with at least"),
+        (jnp.ones(8, jnp.int32), {}, ValueError, r"x.astype\(jnp.float32\)"),
+    ],
+)
+def test_bad_input_to_log_quantize_names_the_argument(x, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        qto.log_quantize(x, **kwargs)
+
+
 def test_stochastic_rounding_is_unbiased():
     # A value between two levels decodes to it on average: Adam's 0.1% steps of the
     # second moment survive where rounding to nearest would undo them.
