@@ -23,8 +23,9 @@ divided by it, eight levels per octave, evenly spaced within each octave:
 
 The kind of code is chosen per block and stored in the sign of the block's float32
 scale. Blocks run along the last axis of a leaf (as few as hold at most
-`block_size` elements each, all of one size, the last one padded), so a leaf sharded along any other axis keeps its blocks local.
-A stack of matrices stores its rows padded to a multiple of 8 (see `_ROW_MULTIPLE`).
+`block_size` elements each, all of one size, the last one padded), so a leaf sharded
+along any other axis keeps its blocks local. A stack of matrices stores its rows
+padded to a multiple of 8 (see `_ROW_MULTIPLE`).
 
 Rounding is stochastic by default: up or down to the neighbouring levels with the
 probabilities that make the decoded value unbiased. Adam changes its second moment
@@ -61,12 +62,13 @@ class LogQuantized(eqx.Module):
     scale per block (see [`quax_tangents.optax.quantized_state`][]).
 
     The last axis of the array is split into `num_blocks` blocks of `block`
-    elements each (as few as hold at most the `block_size` asked for, of one size;
-    the last zero-padded by fewer than `num_blocks` elements). A block whose scale `s` is positive holds
-    non-negative values `s * 2**e * (1 + f / 8)` for the byte `k = 255 + 8 e + f >= 1`
-    (`0 <= f < 8`; zero for `k = 0`); one whose scale is negative holds signed values
-    `sign(c) |s| 2**e * (1 + f / 8)` for `c = k - 128`, `|c| = 127 + 8 e + f` (zero for
-    `c = 0`).
+    elements each (as few as hold at most the `block_size` asked for, all of one
+    size, rounded up to a multiple of 128 when wider than 128 and `block_size` is a
+    multiple of 128; the last block zero-padded). A block whose scale `s` is
+    positive holds non-negative values `s * 2**e * (1 + f / 8)` for the byte
+    `k = 255 + 8 e + f >= 1` (`0 <= f < 8`; zero for `k = 0`); one whose scale is
+    negative holds signed values `sign(c) |s| 2**e * (1 + f / 8)` for `c = k - 128`,
+    `|c| = 127 + 8 e + f` (zero for `c = 0`).
 
     **Fields:**
 
@@ -105,8 +107,9 @@ def log_quantize(
 
     - `x`: a floating array with at least one dimension.
     - `block_size`: the most elements per block along the last axis; the axis is
-        split into as few blocks as that allows, all of one size.
-    - `noise`: `None` to round to the nearest level (in the logarithm), or uniform
+        split into as few blocks as that allows, all of one size (rounded up to a
+        multiple of 128 when wider than 128 and `block_size` is a multiple of 128).
+    - `noise`: `None` to round to the nearest level, or uniform
         numbers in `[0, 1)` of the codes' shape (`(*x.shape[:-1], num_blocks,
         block)`, a stack's rows padded to a multiple of 8) for unbiased
         stochastic rounding.
@@ -147,9 +150,8 @@ def log_quantize(
 # a time under `layerwise`) the codes `(24, 5461, 2, 256)` (blocks of 256 then)
 # get the layers in the tiles by default, and the 1B step compiled for a TPU v5e
 # chip copied all six such stacks to another layout and back around its loop over
-# the layers
-# (`benchmarks/bench_scale.py --target tpu-v5e`). Rows padded to 5464 keep the
-# layers outermost. The padding is at most 7 zero rows per matrix.
+# the layers (`benchmarks/bench_scale.py --target tpu-v5e`). Rows padded to 5464
+# keep the layers outermost. The padding is at most 7 zero rows per matrix.
 _ROW_MULTIPLE = 8
 
 
@@ -372,10 +374,10 @@ def quantized_state(
     values (a first moment) a sign and 127 levels over 15.75 octaves (down to 1.9e-5;
     the first moment lives on the square-root scale of the second). Either way each
     entry is within 1/17 (5.9%) of its value when rounded to nearest, at every
-    magnitude. The kind of code is chosen per
-    block, from whether the block has negative entries, and stored in the sign of the
-    block's scale. bitsandbytes' dynamic map makes the same trade (precision relative
-    to the value, not to the block's largest) with a different table.
+    magnitude. The kind of code is chosen per block, from whether the block has
+    negative entries, and stored in the sign of the block's scale. bitsandbytes'
+    dynamic map makes the same trade (precision relative to the value, not to the
+    block's largest) with a different table.
 
     **Rounding.** With `stochastic=True` (the default) each value is rounded up or
     down to its neighbouring levels with the probabilities that make it unbiased,
@@ -413,7 +415,7 @@ def quantized_state(
         6.7 s instead of 4.5 s. Only the codes' floor is relative to the block's
         largest entry; the precision of each entry is not.
     - `stochastic`: unbiased stochastic rounding (`True`) or rounding to the nearest
-        level in the logarithm.
+        level.
 
     **Returns:**
 
