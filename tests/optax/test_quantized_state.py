@@ -194,7 +194,8 @@ def test_noise_of_the_unpadded_shape_is_refused_naming_the_codes_shape():
     assert qto.log_quantize(x, 300, noise=noise).decode().shape == x.shape
 
 
-@settings(deadline=None, max_examples=25)
+# Few examples: each new width compiles the codec anew (about 0.3 s).
+@settings(deadline=None, max_examples=10)
 @given(width=st.integers(1, 5000), block_size=st.sampled_from([2, 7, 300, 512, 2048]))
 def test_a_row_is_split_into_the_fewest_blocks_of_one_size(width, block_size):
     # As few blocks as hold at most `block_size` each, of one size: padded by less
