@@ -173,6 +173,13 @@ def _trips(
         batch = jtu.tree_map(
             lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), microbatches
         )
+        # Tied to the loop's counter: with one microbatch the pass's inputs are the same
+        # on every trip, and the TPU compiler hoists the forward out of the loop,
+        # holding its results (the head's gradient among them) across the loop and
+        # copying them on each trip: the 1B step of one microbatch held 6.17 GiB
+        # instead of 6.11 on v5e, 6.30 instead of 6.26 on v5p
+        # (`benchmarks/bench_scale.py --target tpu-v5e --models 1B --accumulation 1`).
+        batch, _ = jax.lax.optimization_barrier((batch, j))
         totals = [s if add else None for s, add in zip(sums, into)]
         loss, one_aux, parts = one(batch, modes(t, state), totals)
         sums = [

@@ -151,6 +151,34 @@ def test_split_naming_a_leaf_with_too_few_rows_raises():
         tx.update(params, tx.init(params), params)
 
 
+def test_a_vector_goes_whole_and_the_state_layout_takes_one_init():
+    # A vector has no layers. Cut into slices below `quantized_state`'s block it
+    # would be stored another way than whole, which `layerwise` finds with one
+    # more abstract `tx.init` per cut leaf; left whole, one `init` of a slice
+    # gives the layout of every leaf.
+    params = {
+        "w": random_array(0, (4, 4, 8)),
+        "v": random_array(1, (4, 8)),
+        "norm": random_array(2, (16,)),
+    }
+    grads = jax.tree.map(lambda x: random_array(3, x.shape), params)
+    tx = qto.quantized_state(optax.adam(0.1), block_size=8, stochastic=False)
+    inits = []
+
+    def init(p):
+        inits.append(jax.tree.map(jnp.shape, p))
+        return tx.init(p)
+
+    counted = optax.GradientTransformationExtraArgs(init, tx.update)
+    state = tx.init(params)
+    with per_layer():
+        expected, expected_state = tx.update(grads, state, params)
+    updates, new_state = qto.layerwise(counted, layers=4).update(grads, state, params)
+    assert [shapes["norm"] for shapes in inits] == [(16,)]
+    jax.tree.map(assert_close, updates, expected)
+    jax.tree.map(assert_close, new_state, expected_state)
+
+
 def test_layers_must_be_a_positive_int():
     with pytest.raises(ValueError, match="layers"):
         qto.layerwise(optax.adam(0.1), layers=0)
