@@ -177,11 +177,12 @@ def _trips(
         # on every trip, and the TPU compiler hoists the forward out of the loop,
         # holding its results (the head's gradient among them) across the loop and
         # copying them on each trip: the 1B step of one microbatch held 6.17 GiB
-        # instead of 6.11 on v5e, 6.30 instead of 6.26 on v5p, and the 7B one 22.16
-        # instead of 22.00 on v5p (`benchmarks/bench_scale.py --target tpu-v5e
-        # --models 1B --accumulation 1`, and `--target tpu-v5p --models 7B`). Not at
-        # every size: at 60M, whose peak is the loss's float32 logits inside the
-        # pass, the hoisted step holds less (0.30 GiB against 0.37 tied).
+        # instead of 6.11 on v5e and 6.30 instead of 6.26 on v5p (`benchmarks/
+        # bench_scale.py --target tpu-v5e --models 1B --accumulation 1`, before and
+        # after), and the 7B one 22.16 instead of 22.00 on v5p (the step compiled
+        # with and without the tie). Not at every size: at 60M, whose peak is the
+        # loss's float32 logits inside the pass, the hoisted step holds less (0.30
+        # GiB against 0.37 tied).
         batch, _ = jax.lax.optimization_barrier((batch, j))
         totals = [s if add else None for s, add in zip(sums, into)]
         loss, one_aux, parts = one(batch, modes(t, state), totals)
