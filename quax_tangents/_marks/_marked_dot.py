@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike
 from .._core import _fallback
 from .._core._registry import rule
 from ._marked import Marked, factored_product
-from ._marked_views import dot_view, transpose_view
+from ._marked_views import dot_view, transpose_moving_stack, transpose_view
 
 
 @rule(jax.lax.transpose_p, dense_output=True)
@@ -23,7 +23,7 @@ def _transpose_marked(w: Marked, *, permutation: tuple[int, ...]) -> Any:
     nb = w.ndim - 2
     batch, matrix = tuple(permutation[:nb]), tuple(permutation[nb:])
     if batch != tuple(range(nb)):
-        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
+        return transpose_moving_stack(w, tuple(permutation), nb)
     return w.replace(transposed=w.transposed != (matrix == (nb + 1, nb)))
 
 

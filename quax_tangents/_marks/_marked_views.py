@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from .._core import _fallback
 from .._core._registry import rule
 from ._marked import Marked, factored_product, full_perm, seen
 
@@ -68,8 +69,33 @@ def transpose_view(w: Marked, permutation: tuple[int, ...]) -> Any:
     full = full_perm(w.view, nb)  # type: ignore[arg-type]
     new_full = tuple(full[q] for q in permutation)
     if new_full[:nb] != tuple(range(nb)):
-        return Marked.default(jax.lax.transpose_p, (w,), dict(permutation=permutation))
+        return transpose_moving_stack(w, permutation, nb)
     return w.replace(view=(rows, cols, tuple(p - nb for p in new_full[nb:])))
+
+
+def transpose_moving_stack(
+    w: Marked, permutation: tuple[int, ...], batch_ndim: int
+) -> Array:
+    """A `transpose` that moves the stack dims of a marked weight: the weight
+    itself, its cotangent dense (counted), with what to change. The usual cause is
+    a Flax `nn.scan` over parameters stacked on another axis than the first, which
+    moves that axis to the front before the scan."""
+    shape = tuple(w.aval().shape)
+    _fallback.record_densification(
+        "transpose",
+        ("Marked",),
+        f"a transpose {list(permutation)} of a marked weight of shape {list(shape)} "
+        f"that moves its stack dims {list(range(batch_ndim))}: the mark sees it as a "
+        f"stack {list(shape[:batch_ndim])} of {shape[batch_ndim:]} matrices, and "
+        "keeps its cotangent compressed only while the stack dims lead",
+        "Store the layers on the first axis: a Flax `nn.scan` over parameters "
+        "stacked on another (`variable_axes={'params': 1}`, MaxText's "
+        "`param_scan_axis=1`) moves it to the front; use `variable_axes={'params': "
+        "0}` (`param_scan_axis=0`). A weight whose leading dims are not layers (a "
+        "`(d, heads, head_dim)` kernel) is one matrix to view with `dims=` "
+        "(`quax_tangents.optax.galore(..., dims=...)`).",
+    )
+    return jax.lax.transpose_p.bind(w.materialise(), permutation=permutation)
 
 
 # ---------------------------------------------------------------------------------------

@@ -465,6 +465,43 @@ def test_a_reshape_that_mixes_the_sides_is_counted():
         qt.grad(loss)(w)
 
 
+@pytest.mark.parametrize("viewed", [False, True])
+def test_a_transpose_that_moves_the_stack_says_to_stack_on_the_first_axis(viewed):
+    # Flax's `nn.scan` over parameters stacked on axis 1 (three layers of (M, N)
+    # stored as (M, 3, N)) moves that axis to the front before the scan. The mark
+    # sees a stack of M matrices (3, N), whose stack dim the transpose moves: the
+    # gradient is dense (counted), and still right.
+    w = random_array(0, (M, 3, N))
+    p = orthonormal(3, (M, 3, R))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+        if viewed:  # each layer's columns split in two, as attention heads
+            w = w.reshape(M, 3, 2, N // 2)
+        layers = jnp.moveaxis(w, 1, 0)
+
+        def body(h, w_layer):
+            y = jnp.einsum("bm,mhk->bhk" if viewed else "bm,mn->bn", h, w_layer)
+            return h, jnp.sum(jnp.sin(y))
+
+        return jnp.sum(jax.lax.scan(body, X, layers)[1])
+
+    with (
+        qt.fallback("error"),
+        pytest.raises(
+            qt.DensificationError, match=r"moves its stack dims \[0\].*variable_axes"
+        ),
+    ):
+        qt.grad(loss)(w, True)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(w, True)
+    assert qt.fallback_counts()[("transpose", "Marked")] == 1
+    # The mark's gradient: the dense one, projected.
+    assert_close(grad, project(jax.grad(loss)(w, False), p, "left"))
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.data())
 def test_the_gradient_through_any_view_matches_dense(data):

@@ -8,7 +8,7 @@ import pytest
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
-from tests.helpers import random_array
+from tests.helpers import assert_close, random_array
 
 
 nnx = pytest.importorskip("flax.nnx", reason="flax is in the `dev` extra")
@@ -116,3 +116,119 @@ def test_parameters_of_another_structure_are_still_refused():
     state = _tx().init(params)
     with pytest.raises(ValueError, match="must have the structure"):
         qto.mark({"up": params["up"]}, state)
+
+
+# ---------------------------------------------------------------------------------------
+# Linen layers scanned with `nn.scan`, as MaxText stacks them
+
+
+class _Block(linen.Module):
+    @linen.compact
+    def __call__(self, x, _):
+        # Attention-style kernels `(d, heads, head_dim)` and `(heads, head_dim, d)`.
+        q = linen.DenseGeneral((2, 8), use_bias=False, name="query")(x)
+        x = x + linen.DenseGeneral(16, axis=(-2, -1), use_bias=False, name="out")(
+            jnp.tanh(q)
+        )
+        h = jax.nn.gelu(linen.Dense(32, use_bias=False, name="up")(x))
+        return x + linen.Dense(16, use_bias=False, name="down")(h), None
+
+
+class _Scanned(linen.Module):
+    axis: int = 0
+
+    @linen.compact
+    def __call__(self, x):
+        layers = linen.scan(
+            linen.remat(_Block),
+            variable_axes={"params": self.axis},
+            split_rngs={"params": True},
+            length=3,
+        )
+        x, _ = layers(name="layers")(x, None)
+        return linen.Dense(8)(x)
+
+
+def _stacked_kernels(params):
+    return jax.tree.map(lambda a: jnp.ndim(a) >= 3, params)
+
+
+def _kernel_dims(leaf):
+    # The query kernel `(layers, d, heads, head_dim)` has one row dim; the output
+    # kernel `(layers, heads, head_dim, d)` two.
+    if jnp.ndim(leaf) == 4:
+        return (1, 1) if jnp.shape(leaf)[1] == 16 else (1, 2)
+    return None
+
+
+def _scanned_pipeline():
+    return qto.galore(
+        rank=4,
+        learning_rate=1e-2,
+        refresh_every=10,
+        project=_stacked_kernels,
+        dims=_kernel_dims,
+    )
+
+
+def test_linen_layers_scanned_on_axis_0_match_the_dense_gradient_projected():
+    model = _Scanned()
+    params = model.init(jax.random.key(0), X)["params"]
+    opt = _scanned_pipeline()
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = opt.value_and_grad(loss_fn, microbatches=2)(params, state, (X, Y))
+        updates, state = opt.update(grads, state, params)
+        return opt.apply(params, updates), state, loss, grads
+
+    state = opt.init(params)
+    losses = []
+    with qt.fallback("error"):
+        for _ in range(2):
+            params, state, loss, grads = step(params, state)
+            losses.append(float(loss))
+    assert isinstance(grads["layers"]["query"]["kernel"], qt.LowRank)
+    assert grads["layers"]["query"]["kernel"].shape == (3, 16, 16)
+    assert isinstance(grads["layers"]["down"]["kernel"], qt.LowRank)
+    assert losses[1] < losses[0]
+
+    # Not a refresh step: the marked step's update is that of the dense gradient,
+    # projected after the fact onto the same projectors.
+    _, marked = opt.value_and_grad(loss_fn)(params, state, (X, Y))
+    dense = jax.grad(loss_fn)(params, (X, Y))
+    with qt.fallback("silent"):
+        from_dense, _ = opt.update(dense, state, params)
+    from_marks, _ = opt.update(marked, state, params)
+
+    def steps(updates):  # each update over the learning rate, dense
+        low_rank = lambda u: isinstance(u, qt.LowRank)  # noqa: E731
+        dense_updates = jax.tree.map(qt.materialise, updates, is_leaf=low_rank)
+        return [u / 1e-2 for u in jax.tree.leaves(dense_updates)]
+
+    for a, b in zip(steps(from_marks), steps(from_dense)):
+        assert_close(a, b, factor=10.0)
+
+
+def test_linen_layers_scanned_on_axis_1_are_counted_with_the_fix():
+    # `variable_axes={"params": 1}` (MaxText's `param_scan_axis=1`): Flax moves the
+    # layer axis to the front inside the loss, which a mark cannot follow.
+    model = _Scanned(axis=1)
+    params = model.init(jax.random.key(0), X)["params"]
+    assert params["layers"]["up"]["kernel"].shape == (16, 3, 32)
+    # The `(16, 3, 32)` kernel is seen as a stack of 16 matrices `(3, 32)`.
+    mlp = lambda p: jax.tree.map(lambda a: jnp.ndim(a) == 3, p)  # noqa: E731
+    opt = qto.galore(rank=2, learning_rate=1e-2, project=mlp)
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    with (
+        qt.fallback("error"),
+        pytest.raises(qt.DensificationError, match="variable_axes=.*'params': 0"),
+    ):
+        opt.value_and_grad(loss_fn)(params, opt.init(params), (X, Y))
