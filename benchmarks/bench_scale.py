@@ -14,6 +14,8 @@ stacked, `lax.scan`, one `remat` per block) with bfloat16 weights, sequence leng
   gradients that come back projected, from `qt.projected_cotangent` marks on the
   block matrices, accumulated over the microbatches;
 - `projected-8bit`: `qto.galore`'s plain step with its defaults (8-bit state);
+- `projected-8bit-clip` (with `--arms` only): the same with `max_grad_norm=1.0`, the
+  gradients clipped to a global norm;
 - `marks-8bit` (with `--accumulation 1` only): the step of one microbatch with the
   pieces put together by hand, without `qto.galore`: marks in the loss,
   `qt.value_and_grad`, `qto.layerwise` around the 8-bit projected Adam (without it,
@@ -125,6 +127,8 @@ ARMS = ("adam", "adam-8bit", "galore", "projected", "projected-8bit")
 # The step of one microbatch, no accumulation, with the pieces put together by
 # hand; measured with `--accumulation 1`.
 SIMPLE_ARM = "marks-8bit"
+# `qto.galore`'s defaults with the gradients clipped to a global norm of 1.0.
+CLIP_ARM = "projected-8bit-clip"
 GIB = 2**30
 
 
@@ -190,6 +194,7 @@ def pipeline(config: LlamaConfig, arm: str) -> qto.GaLore:
         scale=GALORE_SCALE,
         project=_block_matrices,
         state_bits=None if arm == "projected" else 8,
+        max_grad_norm=1.0 if arm == CLIP_ARM else None,
     )
 
 
@@ -1241,7 +1246,7 @@ def _model_order(model: str) -> int:
 
 
 def _arm_order(arm: str) -> int:
-    order = (*ARMS, SIMPLE_ARM)
+    order = (*ARMS, CLIP_ARM, SIMPLE_ARM)
     return order.index(arm) if arm in order else len(order)
 
 
@@ -1433,7 +1438,7 @@ def parse_args(argv):
     parser.add_argument(
         "--models", nargs="+", choices=(*MODELS, *VARIANTS), help="with --target"
     )
-    parser.add_argument("--arms", nargs="+", choices=(*ARMS, SIMPLE_ARM))
+    parser.add_argument("--arms", nargs="+", choices=(*ARMS, CLIP_ARM, SIMPLE_ARM))
     parser.add_argument(
         "--accumulation",
         type=int,

@@ -44,6 +44,7 @@ from .._core._deprecation import Alias as _Alias, resolve_alias as _resolve_alia
 from .._marks._cotangents import LayerByLayerWarning as LayerByLayerWarning
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
+from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._compress import (
     CompressState as CompressState,
     compress_updates as compress_updates,
@@ -76,6 +77,7 @@ __all__ = [
     "QuantizedState",
     "accumulate_gradients",
     "apply_updates",
+    "clip_by_global_norm",
     "compress_updates",
     "galore",
     "layerwise",

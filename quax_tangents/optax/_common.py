@@ -228,3 +228,28 @@ def check_int(name: str, value: Any, low: int) -> int:
     if value < low:
         raise ValueError(f"`{name}` must be at least {low}, got {value}.")
     return value
+
+
+# optax's error for a transformation that needs `params` and was given none.
+_NEEDS_PARAMS = "requires the current value of parameters"
+
+
+def base_update(
+    base: Any, updates: PyTree, state: Any, where: str
+) -> tuple[PyTree, Any]:
+    """`base.update(updates, state)` for a `base` that runs on gradients' small
+    factors, which have no parameters of their shape: one that reads them (weight
+    decay) is refused by name."""
+    try:
+        return base.update(updates, state)
+    except ValueError as error:
+        if _NEEDS_PARAMS not in str(error):
+            raise
+        raise ValueError(
+            f"{where}: `base` reads the parameters (as `optax.adamw`'s weight decay "
+            "and `optax.add_decayed_weights` do), but it runs on the gradients' "
+            "small factors, which have no parameters of their shape. Pass a `base` "
+            "that takes none: `optax.scale_by_adam()` (the default of "
+            "`quax_tangents.optax.galore`) or `optax.adam(...)`. Weight decay of "
+            "projected weights is not offered."
+        ) from error

@@ -23,6 +23,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._core._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
+from ._clip import check_max_norm, clipping, scaled_by_clip
 from ._common import Filter, check_int
 from ._galore_leaves import DimsSpec, LeafPlan
 from ._layerwise import layerwise
@@ -117,6 +118,7 @@ class GaLore(eqx.Module):
     _rows: Any = eqx.field(static=True)
     _dims: Any = eqx.field(static=True)
     iters: int = eqx.field(static=True)
+    max_grad_norm: float | None = eqx.field(static=True, default=None)
 
     @property
     def project(self) -> Filter:
@@ -246,8 +248,14 @@ class GaLore(eqx.Module):
             state = jax.eval_shape(self.init, params)
         layers = _stacked_layers(find_state(state, "`GaLore.transformation`").plan)
         tx = self._per_step()
+        if self.max_grad_norm is not None:
+            tx = scaled_by_clip(tx)
         if layers > 1:
             tx = layerwise(tx, layers=layers)
+        if self.max_grad_norm is not None:
+            # The norm of all the gradients, before the loop over layers; each slice
+            # is scaled inside it.
+            tx = clipping(self.max_grad_norm, tx)
         return optax.with_extra_args_support(tx)
 
 
@@ -263,6 +271,7 @@ def galore(
     rows: Filter = None,
     dims: DimsSpec = None,
     iters: int = 0,
+    max_grad_norm: float | None = None,
 ) -> GaLore:
     """GaLore training in one object: projected gradients that are never dense,
     `base` (Adam by default) on their small factors, its state in 8 bits, and
@@ -286,7 +295,12 @@ def galore(
     **Arguments:**
 
     - `base`: the transformation on the small factors; `optax.scale_by_adam()`
-        unless given.
+        unless given. It runs on one layer's slice of a stacked model at a time,
+        so it must treat the elements of its gradients independently (Adam and the
+        other `optax.scale_by_*` do): a `base` that reduces over leaves, such as
+        `optax.clip_by_global_norm`, would see one layer; clip with
+        `max_grad_norm` instead. A `base` that reads the parameters
+        (`optax.adamw`'s weight decay) is refused.
     - `rank`: the projection's rank.
     - `learning_rate`, `refresh_every`, `scale`, `project`, `rows`, `dims`: as for
         [`quax_tangents.optax.projected`][].
@@ -299,6 +313,11 @@ def galore(
         in the compiled step); 0 by default. At small ranks (under about 16) one
         recovers most of what the range finder without oversampling loses
         (`benchmarks/bench_oversample.py`).
+    - `max_grad_norm`: clip the gradients to this global norm before `base`, as
+        `optax.chain(optax.clip_by_global_norm(max_grad_norm), ...)` does for dense
+        ones ([`quax_tangents.optax.clip_by_global_norm`][]: the norm of a
+        projected gradient is that of its projection, taken from its factors);
+        `None` (the default) does not clip.
 
     **Returns:**
 
@@ -328,4 +347,9 @@ def galore(
         _rows=_frozen(rows),
         _dims=_frozen(dims),
         iters=check_int("iters", iters, 0),
+        max_grad_norm=(
+            None
+            if max_grad_norm is None
+            else check_max_norm(max_grad_norm, "max_grad_norm")
+        ),
     )

@@ -10,6 +10,7 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._types.rows import SparseRows
+from ._common import base_update
 
 
 def distinct_rows(grad: SparseRows) -> tuple[Array, Array]:
@@ -65,7 +66,12 @@ def lazy_base_update(
         rows_tree,
         is_leaf=lambda x: x is None,
     )
-    updates, new_cut = base.update(jtu.tree_unflatten(treedef, proxies), cut)
+    updates, new_cut = base_update(
+        base,
+        jtu.tree_unflatten(treedef, proxies),
+        cut,
+        "`quax_tangents.optax.projected`",
+    )
     slots = _param_slots(base, state, rows_tree)
     new_state = jtu.tree_map(
         _scatter, state, new_cut, slots, is_leaf=lambda x: x is None

@@ -16,7 +16,7 @@ from .._marks._cotangents import Projector
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed, reject_compressed
-from ._common import Filter, check_int
+from ._common import Filter, base_update, check_int
 from ._galore_leaves import (
     NOT_A_PROJECTION_SUM,
     DimsSpec,
@@ -254,8 +254,11 @@ def projected(
                     base, proxies, rows_read, state.base_state, treedef
                 )
             else:
-                out, base_state = base.update(
-                    jtu.tree_unflatten(treedef, proxies), state.base_state
+                out, base_state = base_update(
+                    base,
+                    jtu.tree_unflatten(treedef, proxies),
+                    state.base_state,
+                    "`quax_tangents.optax.projected`",
                 )
                 base_updates = treedef.flatten_up_to(out)
         step_size = _step_size(learning_rate, state.count)
