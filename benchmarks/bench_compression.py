@@ -213,7 +213,11 @@ def documented_bound(kind: str, settings: str, c, x64, dense64, singular_values)
     err = relative_error(dense64, x64)
     if kind == "LowRank":
         best = optimal_low_rank_error(singular_values, c.rank)
-        holds = err <= LOW_RANK_FACTOR * best + 1e-6
+        # Up to float32 rounding: a factorisation of an (m, n) matrix that is exact
+        # in exact arithmetic keeps a relative error of about n eps (a full-rank one
+        # of the 64 x 64 gradient: 8.7e-7 with JAX 0.12.0.1, 1.0e-6 with 0.12.1).
+        rounding = max(x64.shape[-2:]) * float(np.finfo(np.float32).eps)
+        holds = err <= LOW_RANK_FACTOR * best + rounding
         quotient = f"{err / best:.3f}" if best > 0 else "n/a (exact)"
         return best, holds, f"error / optimal = {quotient} (<= {LOW_RANK_FACTOR})"
     if kind == "Sparse":

@@ -170,6 +170,17 @@ def factors_like(
     )
 
 
+def unsharded_along(x: Array, axis: int) -> Array:
+    """`x` with its dim `axis` whole on every device (its other dims keep their
+    sharding) under explicit mesh axes, `x` itself otherwise: JAX sorts only along a
+    dim that is not sharded (from 0.12.1 it refuses to; `jnp.unique` sorts)."""
+    entries = list(spec_entries(x))
+    if entries[axis] is None:
+        return x
+    entries[axis] = None
+    return jax.sharding.reshard(x, P(*entries))
+
+
 def _resharded(x: Array, spec: P) -> Array:
     return x if P(*spec_entries(x)) == spec else jax.sharding.reshard(x, spec)
 

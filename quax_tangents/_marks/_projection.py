@@ -495,5 +495,9 @@ def unique_rows(x: SparseRows) -> SparseRows:
 
     for _ in range(x.batch_ndim):
         one = jax.vmap(one)
-    ids, rows = one(x.indices, x.rows)
+    # The stored rows whole on every device: the sort of their numbers needs them
+    # all.
+    k_axis = x.batch_ndim
+    indices = _sharding.unsharded_along(x.indices, k_axis)
+    ids, rows = one(indices, _sharding.unsharded_along(x.rows, k_axis))
     return SparseRows.build(ids, rows, x.num_rows)

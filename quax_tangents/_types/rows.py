@@ -22,6 +22,7 @@ from .._core._devices import axis_size, gather_along
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
+from .._core._sharding import unsharded_along
 
 
 _INDEX_DTYPE = jnp.int32
@@ -196,8 +197,11 @@ def _rows_inner(a: SparseRows, b: SparseRows) -> Array:
     for _ in range(a.batch_ndim):
         one = jax.vmap(one)
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    products = one(a.indices, a.rows.astype(dtype), b.indices, b.rows.astype(dtype))
-    return jnp.sum(products)
+    # Whole on every device: the sort of the row numbers needs them all.
+    k_axis = a.batch_ndim
+    ia, ib = (unsharded_along(x.indices, k_axis) for x in (a, b))
+    ra, rb = (unsharded_along(x.rows.astype(dtype), k_axis) for x in (a, b))
+    return jnp.sum(one(ia, ra, ib, rb))
 
 
 def add_rows(dense: Array, indices: Array, rows: Array) -> Array:

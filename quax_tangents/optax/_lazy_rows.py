@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 import optax
 from jaxtyping import Array, PyTree
 
+from .._core._sharding import unsharded_along
 from .._types.rows import SparseRows
 from ._common import base_update
 
@@ -17,10 +18,12 @@ def distinct_rows(grad: SparseRows) -> tuple[Array, Array]:
     """The distinct rows read (sorted; unused slots hold `num_rows`, out of range)
     and each one's summed gradient row. There are at most `min(k, num_rows)`."""
     size = min(grad.k, grad.num_rows)
-    rows = jnp.unique(grad.indices, size=size, fill_value=grad.num_rows)
-    position = jnp.searchsorted(rows, grad.indices)
+    # Whole on every device: the sort of the row numbers needs them all.
+    indices = unsharded_along(grad.indices, 0)
+    rows = jnp.unique(indices, size=size, fill_value=grad.num_rows)
+    position = jnp.searchsorted(rows, indices)
     summed = jnp.zeros((size, *grad.row_shape), grad.dtype)
-    summed = summed.at[position].add(grad.rows)
+    summed = summed.at[position].add(unsharded_along(grad.rows, 0))
     return rows, summed
 
 

@@ -8,10 +8,12 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array, seeds
+from tests.helpers.collective import skip_without_devices
 from tests.helpers.lowrank import lowrank_values
 from tests.helpers.rows import rows_values
 from tests.optax.test_galore import _batch, _blocks, _params, loss_fn
@@ -139,3 +141,21 @@ def test_a_base_that_reads_the_parameters_is_refused_naming_the_default():
     _, grads = opt.value_and_grad(loss_fn)(params, state, _batch(0))
     with pytest.raises(ValueError, match=r"reads the parameters.*scale_by_adam"):
         opt.update(grads, state, params)
+
+
+@skip_without_devices(2)
+def test_the_clip_of_rows_sharded_along_the_stored_rows():
+    mesh = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    rows = qt.SparseRows(jnp.array([1, 1, 3, 0]), jnp.arange(8.0).reshape(4, 2), 5)
+    dense = qt.materialise(rows)
+    with jax.set_mesh(mesh):
+        shard = lambda x: jax.device_put(x, P("data"))  # noqa: E731
+        sharded = qt.SparseRows.build(shard(rows.indices), shard(rows.rows), 5)
+        clip = jax.jit(qto.clip_by_global_norm(1.0).update)
+        clipped, _ = clip({"t": sharded}, optax.EmptyState())
+        got = np.asarray(clipped["t"].rows)
+    # The stored rows scaled by the norm of the array they make up (row 1 twice).
+    assert isinstance(clipped["t"], qt.SparseRows)
+    assert_close(got, rows.rows / jnp.linalg.norm(dense))

@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
+from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
 from tests.helpers import assert_close, float_dtypes
+from tests.helpers.collective import skip_without_devices
 from tests.helpers.rows import rows_values
 
 
@@ -47,3 +49,19 @@ def test_rows_stored_twice_add_up_before_they_are_multiplied():
         assert float(a.inner(a)) == 52.0
         assert float(jax.jit(qt.norm)(a) ** 2) == 52.0
         assert float(jax.jit(lambda a, b: a.inner(b))(a, b)) == 4.0 - 6.0
+
+
+@skip_without_devices(2)
+def test_the_inner_product_of_rows_sharded_along_the_stored_rows():
+    # Under explicit mesh axes a batch's row numbers come sharded along the stored
+    # rows; the sort that finds the distinct ones needs them whole.
+    mesh = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    a = qt.SparseRows(jnp.array([1, 1, 3, 0]), jnp.arange(8.0).reshape(4, 2), 5)
+    expected = float(np.sum(_dense(a) ** 2))
+    with jax.set_mesh(mesh):
+        shard = lambda x: jax.device_put(x, P("data"))  # noqa: E731
+        sharded = qt.SparseRows.build(shard(a.indices), shard(a.rows), a.num_rows)
+        got = jax.jit(lambda x: x.inner(x))(sharded)
+    assert float(got) == expected
