@@ -102,3 +102,18 @@ def add_out_argument(parser: Any, script: str) -> None:
         f"{default_out(script, False)}, or {default_out(script, True)} with "
         "--quick)",
     )
+
+
+def write_results(
+    lines: list[str], out: Any, script: str, quick: bool, variant: str
+) -> pathlib.Path:
+    """Writes a results file's lines to `out`, or by default to
+    `results/<script's stem>-<variant>.md` (`results/quick/...` for a quick run)."""
+    if out is None:
+        default = default_out(script, quick)
+        out = default.with_name(f"{default.stem}-{variant}.md")
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    return out

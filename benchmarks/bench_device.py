@@ -476,7 +476,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="60M, one step")
     parser.add_argument("--models", nargs="+", choices=tuple(CONFIGS))
     parser.add_argument(
-        "--arms", nargs="+", choices=(*bs.ARMS, bs.SIMPLE_ARM), default=bs.QUICK_ARMS
+        "--arms",
+        nargs="+",
+        choices=(*bs.ARMS, bs.CLIP_ARM, bs.ADAMW_ARM, bs.SIMPLE_ARM),
+        default=bs.QUICK_ARMS,
     )
     parser.add_argument(
         "--accumulation",

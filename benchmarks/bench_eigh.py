@@ -22,7 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from _report import add_out_argument, default_out, environment, produced_by
+from _report import add_out_argument, environment, produced_by, write_results
 from _targets import TARGETS, target_devices
 
 from quax_tangents._core._eigh import symmetric_eigh
@@ -70,13 +70,7 @@ def main() -> None:
         "|---:|---:|---:|",
         *rows,
     ]
-    out = args.out
-    if out is None:
-        out = default_out(__file__, args.quick)
-        out = out.with_name(f"{out.stem}-{args.target}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_results(lines, args.out, __file__, args.quick, args.target)
 
 
 if __name__ == "__main__":

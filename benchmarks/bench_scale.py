@@ -16,6 +16,8 @@ stacked, `lax.scan`, one `remat` per block) with bfloat16 weights, sequence leng
 - `projected-8bit`: `qto.galore`'s plain step with its defaults (8-bit state);
 - `projected-8bit-clip` (with `--arms` only): the same with `max_grad_norm=1.0`, the
   gradients clipped to a global norm;
+- `projected-8bit-adamw` (with `--arms` only): the same with `max_grad_norm=1.0` and
+  `weight_decay=0.1`, the usual LLM optimiser (`optax.adamw` after a clip);
 - `marks-8bit` (with `--accumulation 1` only): the step of one microbatch with the
   pieces put together by hand, without `qto.galore`: marks in the loss,
   `qt.value_and_grad`, `qto.layerwise` around the 8-bit projected Adam (without it,
@@ -129,6 +131,9 @@ ARMS = ("adam", "adam-8bit", "galore", "projected", "projected-8bit")
 SIMPLE_ARM = "marks-8bit"
 # `qto.galore`'s defaults with the gradients clipped to a global norm of 1.0.
 CLIP_ARM = "projected-8bit-clip"
+# The usual LLM optimiser, `optax.chain(optax.clip_by_global_norm(1.0),
+# optax.adamw(lr, weight_decay=0.1))`, as `qto.galore` takes it.
+ADAMW_ARM = "projected-8bit-adamw"
 GIB = 2**30
 
 
@@ -194,7 +199,8 @@ def pipeline(config: LlamaConfig, arm: str) -> qto.GaLore:
         scale=GALORE_SCALE,
         project=_block_matrices,
         state_bits=None if arm == "projected" else 8,
-        max_grad_norm=1.0 if arm == CLIP_ARM else None,
+        max_grad_norm=1.0 if arm in (CLIP_ARM, ADAMW_ARM) else None,
+        weight_decay=0.1 if arm == ADAMW_ARM else 0.0,
     )
 
 
@@ -1246,7 +1252,7 @@ def _model_order(model: str) -> int:
 
 
 def _arm_order(arm: str) -> int:
-    order = (*ARMS, CLIP_ARM, SIMPLE_ARM)
+    order = (*ARMS, CLIP_ARM, ADAMW_ARM, SIMPLE_ARM)
     return order.index(arm) if arm in order else len(order)
 
 
@@ -1438,7 +1444,9 @@ def parse_args(argv):
     parser.add_argument(
         "--models", nargs="+", choices=(*MODELS, *VARIANTS), help="with --target"
     )
-    parser.add_argument("--arms", nargs="+", choices=(*ARMS, CLIP_ARM, SIMPLE_ARM))
+    parser.add_argument(
+        "--arms", nargs="+", choices=(*ARMS, CLIP_ARM, ADAMW_ARM, SIMPLE_ARM)
+    )
     parser.add_argument(
         "--accumulation",
         type=int,

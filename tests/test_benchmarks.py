@@ -202,6 +202,26 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_compile_benchmark_quick(tmp_path):
+    # On the CPU: each arm's step is lowered and compiled under the profiler, and
+    # the compiler's own events give its phases and the kernels it generated.
+    text = _run_quick("bench_compile.py", tmp_path / "compile.md")
+    assert "bench_compile.py --quick --out" in text
+    rows = re.findall(
+        r"^\| `([\w-]+)` \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| "
+        r"([0-9.]+) \| n/a \| (\d+) \|",
+        text,
+        re.M,
+    )
+    assert [row[0] for row in rows] == ["adam", "projected-8bit"], text
+    for _, lower, compile_s, passes, kernels in rows:
+        assert float(lower) > 0 and float(compile_s) > 0 and int(kernels) > 0, text
+        assert float(passes) <= float(compile_s), text
+    # The projected step's passes take most of a second: the events were found.
+    assert float(rows[1][3]) > 0, text
+
+
+@pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
     text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
     assert "bench_transformer.py --quick --out" in text

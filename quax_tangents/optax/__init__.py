@@ -49,6 +49,7 @@ from ._compress import (
     CompressState as CompressState,
     compress_updates as compress_updates,
 )
+from ._decay import Decayed as Decayed
 from ._galore import GaLore as GaLore, galore as galore
 from ._layerwise import layerwise as layerwise
 from ._mark import mark as mark
@@ -69,6 +70,7 @@ from ._specs import partition_specs as partition_specs
 
 __all__ = [
     "CompressState",
+    "Decayed",
     "GaLore",
     "LayerByLayerWarning",
     "LogQuantized",

@@ -16,6 +16,7 @@ from .._core._sharding import factors_like, matmul
 from .._differentiable import is_differentiable_instance, move
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
+from ._decay import keep_factor, scaled
 
 
 def is_compressed(x: Any) -> bool:
@@ -38,18 +39,20 @@ def reject_compressed(tree: PyTree, where: str, fix: str) -> None:
 # apply_updates
 
 
-def _apply_low_rank(param: Array, update: LowRank) -> Array:
-    # `param + left @ right.T`, a matrix product summed in float32 (a bfloat16 sum
-    # over hundreds of terms would round at each one). A stack of matrices
-    # `(*batch, m, n)` is updated one matrix at a time, each written over its slice
-    # of the (donated) parameter, so that one matrix's float32 product is alive at a
-    # time rather than the stack's. Measured at 1B (`benchmarks/bench_scale.py
-    # --parts`), this is the smallest of the forms tried on both compilers: 0.63 GiB
-    # of temporaries for TPU v5e and 0.08 GiB for CPU, against 2.51 and 0.17 GiB
-    # for a multiply-reduce over the rank fused with the addition.
+def _apply_low_rank(param: Array, update: LowRank, keep: Array | None) -> Array:
+    # `param * keep + left @ right.T` (`keep` only with weight decay), a matrix
+    # product summed in float32 (a bfloat16 sum over hundreds of terms would round
+    # at each one). A stack of matrices `(*batch, m, n)` is updated one matrix at a
+    # time, each written over its slice of the (donated) parameter, so that one
+    # matrix's float32 product is alive at a time rather than the stack's. Measured
+    # at 1B (`benchmarks/bench_scale.py --parts`), this is the smallest of the forms
+    # tried on both compilers: 0.63 GiB of temporaries for TPU v5e and 0.08 GiB for
+    # CPU, against 2.51 and 0.17 GiB for a multiply-reduce over the rank fused with
+    # the addition.
     view = param.reshape(update.shape)  # a matrix view (`projected(dims=...)`)
     if view.ndim == 2:
-        return _add_product(view, update.left, update.right).reshape(param.shape)
+        new = _add_product(view, update.left, update.right, keep)
+        return new.reshape(param.shape)
     matrices = view.reshape(-1, *view.shape[-2:])
     lefts = update.left.reshape(-1, *update.left.shape[-2:])
     rights = update.right.reshape(-1, *update.right.shape[-2:])
@@ -58,35 +61,39 @@ def _apply_low_rank(param: Array, update: LowRank) -> Array:
         def take(x: Array) -> Array:
             return lax.dynamic_index_in_dim(x, i, keepdims=False)
 
-        new = _add_product(take(stack), take(lefts), take(rights))
+        new = _add_product(take(stack), take(lefts), take(rights), keep)
         return lax.dynamic_update_index_in_dim(stack, new, i, 0)
 
     return lax.fori_loop(0, matrices.shape[0], body, matrices).reshape(param.shape)
 
 
-def _add_product(matrix: Array, left: Array, right: Array) -> Array:
+def _add_product(
+    matrix: Array, left: Array, right: Array, keep: Array | None = None
+) -> Array:
     dtype = jnp.promote_types(matrix.dtype, jnp.float32)
     # Under explicit mesh axes, each factor laid out on its side of the matrix (a
     # gather of the small factors), so that each device forms its own block of
     # the product: no matrix-sized reduction or reshard.
     left, right = factors_like(left, right, jax.typeof(matrix))
     product = matmul(left.astype(dtype), right.astype(dtype).T)
-    return (matrix.astype(dtype) + product).astype(matrix.dtype)
+    return (scaled(matrix, keep).astype(dtype) + product).astype(matrix.dtype)
 
 
-def _apply_rows(param: Array, update: SparseRows) -> Array:
-    return add_rows(param, update.indices, update.rows.astype(param.dtype))
+def _apply_rows(param: Array, update: SparseRows, keep: Array | None) -> Array:
+    shrunk = scaled(param, keep).astype(param.dtype)
+    return add_rows(shrunk, update.indices, update.rows.astype(param.dtype))
 
 
 def _apply_leaf(param: Any, update: Any) -> Any:
     if param is None or update is None:  # as `equinox.apply_updates`
         return param
+    update, keep = keep_factor(update)  # a `Decayed` update shrinks `param` too
     if isinstance(update, LowRank):
         _check_shape(param, update, views=True)
-        return _apply_low_rank(param, update)
+        return _apply_low_rank(param, update, keep)
     if isinstance(update, SparseRows):
         _check_shape(param, update)
-        return _apply_rows(param, update)
+        return _apply_rows(param, update, keep)
     if isinstance(update, CompressedArray):
         _check_shape(param, update)
         record_densification(
@@ -95,7 +102,8 @@ def _apply_leaf(param: Any, update: Any) -> Any:
             "no in-place form for this type",
         )
         update = update.materialise()
-    return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
+    dtype = jnp.asarray(param).dtype
+    return jnp.asarray(scaled(param, keep) + update).astype(dtype)
 
 
 def _check_shape(param: Any, update: CompressedArray, views: bool = False) -> None:

@@ -250,6 +250,7 @@ def base_update(
             "and `optax.add_decayed_weights` do), but it runs on the gradients' "
             "small factors, which have no parameters of their shape. Pass a `base` "
             "that takes none: `optax.scale_by_adam()` (the default of "
-            "`quax_tangents.optax.galore`) or `optax.adam(...)`. Weight decay of "
-            "projected weights is not offered."
+            "`quax_tangents.optax.galore`) or `optax.adam(...)`, and for "
+            "`optax.adamw`'s decoupled weight decay pass `weight_decay=` (and "
+            "`learning_rate=`) to `quax_tangents.optax.galore`."
         ) from error

@@ -18,17 +18,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._core._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
 from ._clip import check_max_norm, clipping, scaled_by_clip
 from ._common import Filter, check_int
+from ._decay import check_weight_decay, decayed_weights
 from ._galore_leaves import DimsSpec, LeafPlan
 from ._layerwise import layerwise
 from ._mark import mark
-from ._projected import LearningRate, find_state, projected
+from ._projected import LearningRate, find_state, learning_rate_at, projected
 from ._quantized_state import quantized_state
 
 
@@ -119,6 +120,8 @@ class GaLore(eqx.Module):
     _dims: Any = eqx.field(static=True)
     iters: int = eqx.field(static=True)
     max_grad_norm: float | None = eqx.field(static=True, default=None)
+    weight_decay: float = eqx.field(static=True, default=0.0)
+    _weight_decay_mask: Any = eqx.field(static=True, default=None)
 
     @property
     def project(self) -> Filter:
@@ -131,6 +134,19 @@ class GaLore(eqx.Module):
     @property
     def dims(self) -> DimsSpec:
         return _thawed(self._dims)
+
+    @property
+    def weight_decay_mask(self) -> Any:
+        return _thawed(self._weight_decay_mask)
+
+    def _decay_at(self, state: Any) -> Array:
+        """The fraction of each weight that this step's decay takes off: the
+        learning rate at the step count the update scales by, times
+        `weight_decay`."""
+        # `galore` refuses a weight decay without a learning rate.
+        assert self.learning_rate is not None
+        count = find_state(state, "weight decay").count
+        return learning_rate_at(self.learning_rate, count) * self.weight_decay
 
     def _projected(self) -> optax.GradientTransformation:
         return projected(
@@ -234,7 +250,8 @@ class GaLore(eqx.Module):
 
     def apply(self, params: PyTree, updates: PyTree) -> PyTree:
         """`params` plus the updates ([`quax_tangents.optax.apply_updates`][]: each
-        `LowRank` update added into its weight in one pass)."""
+        `LowRank` update added into its weight in one pass, with the weight decay
+        of a [`quax_tangents.optax.Decayed`][] update in the same pass)."""
         return apply_updates(params, updates)
 
     def transformation(
@@ -256,6 +273,8 @@ class GaLore(eqx.Module):
             # The norm of all the gradients, before the loop over layers; each slice
             # is scaled inside it.
             tx = clipping(self.max_grad_norm, tx)
+        if self.weight_decay > 0:
+            tx = decayed_weights(tx, decay=self._decay_at, mask=self.weight_decay_mask)
         return optax.with_extra_args_support(tx)
 
 
@@ -272,6 +291,8 @@ def galore(
     dims: DimsSpec = None,
     iters: int = 0,
     max_grad_norm: float | None = None,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
 ) -> GaLore:
     """GaLore training in one object: projected gradients that are never dense,
     `base` (Adam by default) on their small factors, its state in 8 bits, and
@@ -318,6 +339,16 @@ def galore(
         ones ([`quax_tangents.optax.clip_by_global_norm`][]: the norm of a
         projected gradient is that of its projection, taken from its factors);
         `None` (the default) does not clip.
+    - `weight_decay`: decoupled weight decay, as `optax.adamw`'s: each step takes
+        `learning_rate * weight_decay` of each weight off (the learning rate at that
+        step, for a schedule), besides the update. It is applied by `apply`, in the
+        same pass that adds the update (the update is a
+        [`quax_tangents.optax.Decayed`][]): no weight-sized array is formed. Needs
+        `learning_rate`. 0 (the default) turns it off.
+    - `weight_decay_mask`: which weights decay: `None` (every one, as
+        `optax.adamw`'s default), or a tree of bools with the structure of the
+        parameters, or a callable given them that returns one (e.g. `lambda p:
+        jax.tree.map(lambda x: x.ndim >= 2, p)` to leave norms and biases alone).
 
     **Returns:**
 
@@ -330,6 +361,15 @@ def galore(
         raise TypeError(
             f"`base` must be an optax GradientTransformation, e.g. "
             f"`optax.scale_by_adam()`; got {type(base).__name__}."
+        )
+    weight_decay = check_weight_decay(weight_decay)
+    if weight_decay > 0 and learning_rate is None:
+        raise ValueError(
+            "`weight_decay` needs `learning_rate`: each step takes `learning_rate * "
+            "weight_decay` of each weight off, and with `learning_rate=None` the "
+            "learning rate lives inside `base`, where the pipeline cannot read it. "
+            "Pass `learning_rate=` (a float or an optax schedule) and leave it out of "
+            "`base` (`base=optax.scale_by_adam()`)."
         )
     if state_bits is not None and (isinstance(state_bits, bool) or state_bits != 8):
         raise ValueError(
@@ -352,4 +392,6 @@ def galore(
             if max_grad_norm is None
             else check_max_norm(max_grad_norm, "max_grad_norm")
         ),
+        weight_decay=weight_decay,
+        _weight_decay_mask=_frozen(weight_decay_mask),
     )

@@ -63,13 +63,20 @@ _ONLY = (
 LearningRate = float | optax.Schedule | None
 
 
+def learning_rate_at(learning_rate: float | optax.Schedule, count: Array) -> Array:
+    """The learning rate at step `count`: a schedule's value there, or the float."""
+    if callable(learning_rate):
+        return jnp.asarray(learning_rate(count))
+    return jnp.asarray(learning_rate)
+
+
 def _step_size(learning_rate: LearningRate, count: Array) -> Any:
     """What the base direction is multiplied by: `-learning_rate` (at `count` for a
     schedule, as `optax.scale_by_learning_rate`), or 1 without a learning rate."""
     if learning_rate is None:
         return 1.0
     if callable(learning_rate):
-        return -jnp.asarray(learning_rate(count))
+        return -learning_rate_at(learning_rate, count)
     return -learning_rate
 
 
