@@ -208,6 +208,10 @@ def _optimiser():
         refresh_every=2,
         project={name: name in llama.PROJECTIONS for name in llama.SHAPES},
         rows={name: name == "embed" for name in llama.SHAPES},
+        # The usual LLM optimiser's decoupled weight decay, on the matrices: each
+        # weight shrunk where it is (its rows, its shards) by `opt.apply`.
+        weight_decay=0.1,
+        weight_decay_mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
     )
 
 
