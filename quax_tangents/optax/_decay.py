@@ -45,10 +45,6 @@ class Decayed(eqx.Module):
     update: Any
     decay: Float[Array, ""]
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(jnp.shape(self.update))
-
     def __add__(self, other: Any) -> Any:
         raise TypeError(_NOT_ADDED)
 

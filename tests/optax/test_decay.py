@@ -212,3 +212,16 @@ def test_the_decay_adds_no_temporaries_to_the_apply_of_a_stack():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp(True) <= temp(False) + 4096
+
+
+def test_the_optax_view_decays_as_the_pipeline_does():
+    params = _params()
+    opt, _ = _pair(weight_decay=0.5)
+    state = opt.init(params)
+    _, grads = jax.jit(opt.value_and_grad(loss_fn))(params, state, _batch(0))
+    tx = optax.chain(opt.transformation(params))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    expected, _ = opt.update(grads, state, params)
+    got = qto.apply_updates(params, updates)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(opt.apply(params, expected))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
