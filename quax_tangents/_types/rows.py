@@ -22,7 +22,7 @@ from .._core._devices import axis_size, gather_along
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
-from .._core._sharding import unsharded_along
+from .._core._sharding import explicit_axes, spec_entries, unsharded_along
 
 
 _INDEX_DTYPE = jnp.int32
@@ -209,6 +209,11 @@ def add_rows(dense: Array, indices: Array, rows: Array) -> Array:
     `indices[..., i]` of each slice (out-of-range rows dropped)."""
 
     def one(dense: Array, indices: Array, rows: Array) -> Array:
+        if explicit_axes():
+            # Rows sharded along the stored rows (a batch's, on the data axis) meet
+            # a table laid out otherwise: the result is laid out as the table.
+            spec = PartitionSpec(*spec_entries(dense))
+            return dense.at[indices].add(rows, mode="drop", out_sharding=spec)
         return dense.at[indices].add(rows, mode="drop")
 
     for _ in range(indices.ndim - 1):

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close
+from tests.helpers.collective import skip_without_devices
 
 
 def _low_rank(rng, m, n, r, dtype=jnp.float32):
@@ -149,3 +151,24 @@ def test_lift_follows_the_fallback_policy():
     g = qt.LowRank(jnp.ones((3, 1)), jnp.ones((2, 1)))
     with qt.fallback("error"), pytest.raises(qt.DensificationError, match="lift"):
         tx.update(g, tx.init(jnp.zeros((3, 2))))
+
+
+@skip_without_devices(2)
+@pytest.mark.parametrize("decay", [None, 0.5])
+def test_rows_sharded_along_the_stored_rows_added_into_a_sharded_table(decay):
+    # A batch's rows come sharded on the data axis, the table on its own rows: the
+    # update keeps the table's layout, with weight decay or without.
+    mesh = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    rows = qt.SparseRows(jnp.array([1, 1, 3, 0]), jnp.arange(8.0).reshape(4, 2), 6)
+    table = jnp.arange(12.0).reshape(6, 2)
+    keep = 1.0 if decay is None else 1.0 - decay
+    with jax.set_mesh(mesh):
+        shard = lambda x: jax.device_put(x, P("data"))  # noqa: E731
+        update = qt.SparseRows.build(shard(rows.indices), shard(rows.rows), 6)
+        if decay is not None:
+            update = qto.Decayed(update, jnp.float32(decay))
+        applied = jax.jit(qto.apply_updates)(shard(table), update)
+    np.testing.assert_array_equal(applied, table * keep + qt.materialise(rows))
+    assert jax.typeof(applied).sharding.spec == P("data", None)

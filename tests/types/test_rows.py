@@ -65,3 +65,18 @@ def test_the_inner_product_of_rows_sharded_along_the_stored_rows():
         sharded = qt.SparseRows.build(shard(a.indices), shard(a.rows), a.num_rows)
         got = jax.jit(lambda x: x.inner(x))(sharded)
     assert float(got) == expected
+
+
+@skip_without_devices(2)
+def test_rows_sharded_along_the_stored_rows_materialise():
+    # The scatter that adds the rows into zeros laid out otherwise keeps the
+    # zeros' layout.
+    mesh = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    a = qt.SparseRows(jnp.array([1, 1, 3, 0]), jnp.arange(8.0).reshape(4, 2), 6)
+    with jax.set_mesh(mesh):
+        shard = lambda x: jax.device_put(x, P("data"))  # noqa: E731
+        sharded = qt.SparseRows.build(shard(a.indices), shard(a.rows), a.num_rows)
+        dense = jax.jit(qt.materialise)(sharded)
+    np.testing.assert_array_equal(dense, _dense(a))
