@@ -20,6 +20,8 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PyTree
 
+from .._core._validate import is_concrete
+
 
 _NOT_ADDED = (
     "A `Decayed` update (an update with weight decay) shrinks its parameter too, so "
@@ -81,15 +83,27 @@ def _masks(mask: Any, params: PyTree) -> list[bool]:
             "True where a weight decays, e.g. `lambda p: jax.tree.map(lambda x: "
             f"x.ndim >= 2, p)`: {error}"
         ) from None
-    for leaf in flat:
-        # None where a parameter is None (an Equinox model's non-array fields,
-        # which `jax.tree.map` over the parameters keeps as None).
-        if leaf is not None and not isinstance(leaf, (bool, np.bool_)):
-            raise TypeError(
-                "`weight_decay_mask` must hold Python bools (True where a weight "
-                f"decays), got {leaf!r}."
-            )
-    return [leaf is not None and bool(leaf) for leaf in flat]
+    return [_decays(leaf) for leaf in flat]
+
+
+def _decays(leaf: Any) -> bool:
+    """A mask's leaf as a Python bool: None (where a parameter is None, an Equinox
+    model's non-array fields, which `jax.tree.map` keeps) does not decay."""
+    if leaf is None:
+        return False
+    if isinstance(leaf, (bool, np.bool_)):
+        return bool(leaf)
+    concrete_bool = (
+        is_concrete(leaf)
+        and jnp.shape(leaf) == ()
+        and jnp.result_type(leaf) == jnp.bool_
+    )
+    if concrete_bool:
+        return bool(leaf)
+    raise TypeError(
+        "`weight_decay_mask` must hold bools known when the step is traced (True "
+        f"where a weight decays, e.g. `x.ndim >= 2`), got {leaf!r}."
+    )
 
 
 def decayed_weights(

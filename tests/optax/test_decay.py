@@ -155,6 +155,25 @@ def _params_only(params):
     return {k: v for k, v in params.items() if k != "activation"}
 
 
+def test_a_mask_of_traced_values_is_refused_by_name():
+    params = _params()
+    opt = qto.galore(
+        rank=2,
+        learning_rate=1e-2,
+        project=_blocks,
+        weight_decay=0.1,
+        # Computed from the values, so unknown when the step is traced.
+        weight_decay_mask=lambda p: jax.tree.map(lambda x: jnp.all(x > -10), p),
+    )
+    state = opt.init(params)
+    _, grads = opt.value_and_grad(loss_fn)(params, state, _batch(0))
+    with pytest.raises(TypeError, match="`weight_decay_mask` must hold bools"):
+        jax.jit(opt.update)(grads, state, params)
+    # Eagerly the same mask is concrete, and taken.
+    updates, _ = opt.update(grads, state, params)
+    assert isinstance(updates["head"], qto.Decayed)
+
+
 def test_optax_apply_updates_of_a_decayed_update_names_the_fix():
     decayed = qto.Decayed(jnp.ones(3), jnp.float32(0.1))
     with pytest.raises(TypeError, match="quax_tangents.optax.apply_updates"):
