@@ -141,9 +141,10 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     `projected(dims=...)` returns it). A stacked leaf `(*batch, m, n)` is updated
     one matrix at a time, in a loop that writes each into its slice: with the
     parameter donated, the compiled function holds one matrix's float32 product
-    beside it, not a weight-sized buffer. A
-    `SparseRows` update is a scatter-add into the stored rows. Dense updates are
-    added as `optax.apply_updates` adds them. Every result is cast to its
+    beside it, not a weight-sized buffer. A `SparseRows` update is a scatter-add
+    into the stored rows. Dense updates are added as `optax.apply_updates` adds
+    them. A [`quax_tangents.optax.Decayed`][] update (weight decay) also scales its
+    parameter by `1 - decay`, in the same pass. Every result is cast to its
     parameter's dtype. Other compressed types are materialised, counted as a
     densification.
 

@@ -139,10 +139,6 @@ def decayed_weights(
     return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
-def is_decayed(x: Any) -> bool:
-    return isinstance(x, Decayed)
-
-
 def keep_factor(update: Any) -> tuple[Any, Array | None]:
     """`(update, 1 - decay)` for a `Decayed`, `(update, None)` otherwise."""
     if isinstance(update, Decayed):

@@ -155,18 +155,27 @@ def _params_only(params):
     return {k: v for k, v in params.items() if k != "activation"}
 
 
-def test_a_mask_of_traced_values_is_refused_by_name():
+def _first_gradients(mask):
+    """A pipeline with weight decay masked by `mask`, and its first step's
+    parameters, state and gradients."""
     params = _params()
     opt = qto.galore(
         rank=2,
         learning_rate=1e-2,
         project=_blocks,
         weight_decay=0.1,
-        # Computed from the values, so unknown when the step is traced.
-        weight_decay_mask=lambda p: jax.tree.map(lambda x: jnp.all(x > -10), p),
+        weight_decay_mask=mask,
     )
     state = opt.init(params)
     _, grads = opt.value_and_grad(loss_fn)(params, state, _batch(0))
+    return opt, params, state, grads
+
+
+def test_a_mask_of_traced_values_is_refused_by_name():
+    # Computed from the values, so unknown when the step is traced.
+    opt, params, state, grads = _first_gradients(
+        lambda p: jax.tree.map(lambda x: jnp.all(x > -10), p)
+    )
     with pytest.raises(TypeError, match="`weight_decay_mask` must hold bools"):
         jax.jit(opt.update)(grads, state, params)
     # Eagerly the same mask is concrete, and taken.
@@ -200,16 +209,7 @@ def test_weight_decay_without_a_learning_rate_is_refused():
 
 
 def test_a_mask_of_another_structure_is_refused_by_name():
-    params = _params()
-    opt = qto.galore(
-        rank=2,
-        learning_rate=1e-2,
-        project=_blocks,
-        weight_decay=0.1,
-        weight_decay_mask={"head": True},
-    )
-    state = opt.init(params)
-    _, grads = opt.value_and_grad(loss_fn)(params, state, _batch(0))
+    opt, params, state, grads = _first_gradients({"head": True})
     with pytest.raises(ValueError, match="`weight_decay_mask`"):
         opt.update(grads, state, params)
 
