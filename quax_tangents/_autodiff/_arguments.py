@@ -179,6 +179,13 @@ def argnums_positions(argnums: Any) -> tuple[int, ...]:
 
 
 def check_scalar_output(entry: str, out: Any) -> None:
+    if isinstance(out, (tuple, list)):
+        # Before `jnp.ndim`, which would read a tuple of traced values as an array.
+        raise TypeError(
+            f"`{entry}` needs a function with a real scalar output, got a "
+            f"{type(out).__name__} of {len(out)}. For a function that returns "
+            "`(loss, aux)`, pass `has_aux=True`."
+        )
     if not (jnp.ndim(out) == 0 and jnp.issubdtype(jnp.result_type(out), jnp.floating)):
         raise TypeError(
             f"`{entry}` needs a function with a real scalar output, got "

@@ -345,7 +345,7 @@ def _sliceable(x: Any) -> Any:
             "scan", (type(x).__name__,), "scanning over a dim that is not a batch dim"
         )
         return x.materialise()
-    return x
+    return _marked_scan.sliceable(x)
 
 
 @rule(jax.lax.scan_p, precedence=1)

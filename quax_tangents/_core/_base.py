@@ -237,15 +237,19 @@ class CompressedArray(quax.ArrayValue, metaclass=_CompressedMeta):
         return self
 
     def __add__(self, other: Any) -> Any:
+        _refuse_another_view(self, other)
         return _apply(operator.add, self, other)
 
     def __radd__(self, other: Any) -> Any:
+        _refuse_another_view(self, other)
         return _apply(operator.add, other, self)
 
     def __sub__(self, other: Any) -> Any:
+        _refuse_another_view(self, other)
         return _apply(operator.sub, self, other)
 
     def __rsub__(self, other: Any) -> Any:
+        _refuse_another_view(self, other)
         return _apply(operator.sub, other, self)
 
     def __mul__(self, other: Any) -> Any:
@@ -338,6 +342,27 @@ class ChunkCompressor(eqx.Module):
 
 def _conj_dot(x: Any, y: Any) -> Any:
     return jnp.sum(jnp.conj(x) * y)
+
+
+def _refuse_another_view(x: CompressedArray, other: Any) -> None:
+    """A sum with an array of the same size that does not broadcast: most likely an
+    optimiser's update in the matrix view that `projected(dims=...)` gives, added
+    to its stored weight by `optax.apply_updates` (which cannot reshape it)."""
+    shape = jnp.shape(other)
+    if shape == x.shape or math.prod(shape) != math.prod(x.shape) or not shape:
+        return
+    try:
+        jnp.broadcast_shapes(shape, x.shape)
+    except ValueError:
+        raise TypeError(
+            f"A {type(x).__name__} of shape {list(x.shape)} cannot be added to an "
+            f"array of shape {list(shape)}. If it is an optimiser's update in the "
+            "matrix view that `dims=` gives of such a weight, apply the updates with "
+            "`quax_tangents.optax.apply_updates(params, updates)` (or `opt.apply` of "
+            "`quax_tangents.optax.galore`), which reshapes the view: "
+            "`optax.apply_updates`, `param + update` and `nnx.Optimizer.update` "
+            "cannot."
+        ) from None
 
 
 def _apply(fn: Callable[..., Any], *operands: Any) -> Any:

@@ -56,9 +56,12 @@ GUARD_MESSAGE = (
     "a compressed value (quax_tangents), whose fields leafwise code must not "
     "transform: use quax_tangents.optax.lift(tx) for any optax transformation, "
     "quax_tangents.optax.projected(..., learning_rate=...) for projected gradients, "
-    "quax_tangents.optax.accumulate_gradients for microbatches, "
-    "quax_tangents.optax.apply_updates to apply updates, or "
-    "quax_tangents.materialise for the dense array"
+    "galore's value_and_grad(loss_fn, microbatches=k) or "
+    "quax_tangents.optax.accumulate_gradients for microbatches (not "
+    "optax.MultiSteps), galore's max_grad_norm= or "
+    "quax_tangents.optax.clip_by_global_norm to clip (not "
+    "optax.clip_by_global_norm), quax_tangents.optax.apply_updates to apply "
+    "updates, or quax_tangents.materialise for the dense array"
 )
 
 

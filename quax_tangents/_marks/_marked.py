@@ -114,8 +114,11 @@ class Marked(quax.ArrayValue):
                 "row-marked table) gives it a dense cotangent",
                 "An embedding table read by a gather takes row-sparse gradients: "
                 "give it to `rows=` (of `quax_tangents.optax.galore` or `projected`) "
-                "instead of `project=`; any other such weight, leave it out of "
-                "`project=` (its gradient is computed whole, then projected).",
+                "instead of `project=`. A weight viewed with `dims=` keeps its mark "
+                "only where a product contracts the view's rows or columns whole: "
+                "check that `dims=` groups the dims the model contracts. Any other "
+                "such weight, leave it out of `project=` (its gradient is computed "
+                "whole, then projected).",
             )
         arrays = [v.materialise() if isinstance(v, Marked) else v for v in values]
         return primitive.bind(*arrays, **params)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import quax
 
+from .._core import _fallback
 from .._core._compat import scan_counts
 from .._core._layout import constrain, drop_leading, explicit_sharding
 from . import _cotangents
@@ -326,6 +327,28 @@ def warn_unless_projected(args: Sequence[Any]) -> None:
                 _cotangents.LayerByLayerWarning,
                 stacklevel=2,
             )
+
+
+def sliceable(x: Any) -> Any:
+    """A marked weight that a scan slices along a dim of its matrix (one with no
+    stack dims, viewed or transposed so that a row or column dim leads): the
+    weight itself, its cotangent dense (counted), with what to change. Slicing its
+    stored array instead would cut the wrong dim."""
+    if not isinstance(x, Marked) or jnp.ndim(x.array) > 2:
+        return x
+    shape = list(x.aval().shape)
+    _fallback.record_densification(
+        "scan",
+        ("Marked",),
+        f"a scan over the leading dim of a marked weight of shape {shape} that is "
+        f"one matrix (of stored shape {list(jnp.shape(x.array))}), not a stack: "
+        "the mark keeps its cotangent compressed only for a scan over stack dims",
+        "Store the layers on the first axis: a Flax `nn.scan` over parameters "
+        "stacked on another (`variable_axes={'params': 1}`, MaxText's "
+        "`param_scan_axis=1`) moves it to the front; use `variable_axes={'params': "
+        "0}` (`param_scan_axis=0`), and `dims=` only for the dims after the layers.",
+    )
+    return x.materialise()
 
 
 def _slice_meta(meta: dict | None) -> dict | None:

@@ -2,6 +2,7 @@
 per-device state, and argument checks."""
 
 import math
+import numbers
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -223,8 +224,10 @@ def check_axis_name(axis_name: AxisName) -> None:
 
 
 def check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integer (`np.int64` from a config array too), never a bool or a float.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int, got {value!r}.")
+    value = int(value)
     if value < low:
         raise ValueError(f"`{name}` must be at least {low}, got {value}.")
     return value
@@ -249,8 +252,8 @@ def base_update(
             f"{where}: `base` reads the parameters (as `optax.adamw`'s weight decay "
             "and `optax.add_decayed_weights` do), but it runs on the gradients' "
             "small factors, which have no parameters of their shape. Pass a `base` "
-            "that takes none: `optax.scale_by_adam()` (the default of "
-            "`quax_tangents.optax.galore`) or `optax.adam(...)`, and for "
-            "`optax.adamw`'s decoupled weight decay pass `weight_decay=` (and "
-            "`learning_rate=`) to `quax_tangents.optax.galore`."
+            "that takes none, such as `optax.scale_by_adam()` (the default of "
+            "`quax_tangents.optax.galore`, with `learning_rate=`), and for "
+            "`optax.adamw`'s decoupled weight decay pass `weight_decay=` and "
+            "`learning_rate=` to `quax_tangents.optax.galore`."
         ) from error

@@ -73,7 +73,7 @@ def _masks(mask: Any, params: PyTree) -> list[bool]:
     treedef = jtu.tree_structure(params, is_leaf=lambda x: x is None)
     if mask is None:
         return [True] * treedef.num_leaves
-    tree = mask(params) if callable(mask) else mask
+    tree = _called(mask, params) if callable(mask) else mask
     try:
         flat = treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as error:
@@ -84,6 +84,20 @@ def _masks(mask: Any, params: PyTree) -> list[bool]:
             f"x.ndim >= 2, p)`: {error}"
         ) from None
     return [_decays(leaf) for leaf in flat]
+
+
+def _called(mask: Callable, params: PyTree) -> Any:
+    """A callable mask given the whole parameter tree, as `optax.adamw`'s is; one
+    written for a leaf fails on the tree, and is named."""
+    try:
+        return mask(params)
+    except (AttributeError, TypeError, IndexError, KeyError) as error:
+        raise TypeError(
+            f"`weight_decay_mask` raised {type(error).__name__}: {error}. A callable "
+            "is given the whole parameter tree (as `optax.adamw`'s mask is): to decide "
+            "leaf by leaf, pass `weight_decay_mask=lambda p: jax.tree.map(lambda x: "
+            "x.ndim >= 2, p)`."
+        ) from error
 
 
 def _decays(leaf: Any) -> bool:

@@ -29,8 +29,18 @@ from ._decay import check_weight_decay, decayed_weights
 from ._galore_leaves import DimsSpec, LeafPlan
 from ._layerwise import layerwise
 from ._mark import mark
-from ._projected import LearningRate, find_state, learning_rate_at, projected
-from ._quantized_state import quantized_state
+from ._projected import (
+    LearningRate,
+    check_step_sign,
+    check_steps_descend,
+    find_state,
+    learning_rate_at,
+    projected,
+)
+from ._quantized_state import QuantizedState, quantized_state
+
+
+_WHERE = "`quax_tangents.optax.galore`"
 
 
 def _split_batch(batch: PyTree, microbatches: int) -> PyTree:
@@ -229,6 +239,9 @@ class GaLore(eqx.Module):
         microbatches = check_int("microbatches", microbatches, 1)
 
         def value_and_grad(params: PyTree, state: Any, batch: PyTree) -> Any:
+            self._check_state(
+                state, "`GaLore.value_and_grad(loss_fn)(params, state, batch)`"
+            )
             return accumulate_gradients(
                 loss_fn,
                 params,
@@ -246,7 +259,21 @@ class GaLore(eqx.Module):
         model's blocks) are updated one layer's slice at a time
         ([`quax_tangents.optax.layerwise`][]), so that only one layer's state is
         decoded from its 8-bit codes at once."""
+        self._check_state(state, "`GaLore.update(grads, state, params)`")
         return self.transformation(params, state).update(grads, state, params)
+
+    def _check_state(self, state: Any, where: str) -> None:
+        """Refuses a state that this pipeline's `init` did not make, by name."""
+        find_state(state, where, "`opt.value_and_grad(loss_fn, microbatches=k)`")
+        eight_bit = isinstance(state, QuantizedState)
+        if eight_bit != (self.state_bits is not None):
+            kind = "8-bit" if eight_bit else "float"
+            raise TypeError(
+                f"{where}: `state` is a {kind} state ({type(state).__name__}), but "
+                f"this pipeline has `state_bits={self.state_bits!r}`. Pass the state "
+                "its own `init` made (`opt.init(params)`), or build the pipeline "
+                f"with `state_bits={8 if eight_bit else None}` to resume that state."
+            )
 
     def apply(self, params: PyTree, updates: PyTree) -> PyTree:
         """`params` plus the updates ([`quax_tangents.optax.apply_updates`][]: each
@@ -258,9 +285,11 @@ class GaLore(eqx.Module):
         self, params: PyTree, state: Any | None = None
     ) -> optax.GradientTransformationExtraArgs:
         """The pipeline's update as an optax `GradientTransformation`, for
-        `optax.chain`, `optax.MultiSteps` or an existing training loop. Its layer
-        count is read from `params` (or from `state`'s plan): the leading dim of
-        the stacked projected leaves."""
+        `optax.chain` or an existing training loop. Its layer count is read from
+        `params` (or from `state`'s plan): the leading dim of the stacked projected
+        leaves. Not for `optax.MultiSteps`, which mixes the state's compressed
+        leaves field by field: accumulate microbatches with
+        `value_and_grad(loss_fn, microbatches=k)`."""
         if state is None:
             state = jax.eval_shape(self.init, params)
         layers = _stacked_layers(find_state(state, "`GaLore.transformation`").plan)
@@ -324,7 +353,11 @@ def galore(
         (`optax.adamw`'s weight decay) is refused.
     - `rank`: the projection's rank.
     - `learning_rate`, `refresh_every`, `scale`, `project`, `rows`, `dims`: as for
-        [`quax_tangents.optax.projected`][].
+        [`quax_tangents.optax.projected`][]. `base`'s first update is probed for a
+        gradient of ones: a direction (`optax.scale_by_adam()`, positive) needs
+        `learning_rate`, and one that already steps down the gradient
+        (`optax.adam(lr)`, negative) is refused with one; a `ValueError` says
+        which.
     - `state_bits`: 8 stores `base`'s state as 8-bit codes
         ([`quax_tangents.optax.quantized_state`][]); `None` keeps it in float.
     - `iters`: power iterations of the range finder on refresh steps, for the marks
@@ -376,7 +409,7 @@ def galore(
             f"`state_bits` must be 8 (8-bit state) or None (float state), not "
             f"{state_bits!r}."
         )
-    return GaLore(
+    opt = GaLore(
         base=base,
         rank=check_int("rank", rank, 1),
         learning_rate=learning_rate,
@@ -395,3 +428,9 @@ def galore(
         weight_decay=weight_decay,
         _weight_decay_mask=_frozen(weight_decay_mask),
     )
+    # After the arguments' own checks: the probe runs `base`.
+    if learning_rate is None:
+        check_steps_descend(base, _WHERE)
+    else:
+        check_step_sign(base, learning_rate, _WHERE)
+    return opt

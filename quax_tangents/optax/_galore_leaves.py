@@ -94,8 +94,9 @@ class LeafPlan(eqx.Module):
         )
 
     def describe(self) -> str:
-        stack = f"a stack {list(self.batch)} of " if self.batch else ""
-        return f"{stack}({self.m}, {self.n}) matrices"
+        if not self.batch:
+            return f"a ({self.m}, {self.n}) matrix"
+        return f"a stack {list(self.batch)} of ({self.m}, {self.n}) matrices"
 
 
 # ---------------------------------------------------------------------------------------
@@ -159,10 +160,16 @@ def _why_not(shape: tuple[int, ...], dims: Dims | None, rank: int) -> str | None
         return "a leaf with fewer than 2 dims is no matrix; leave it out of `project=`"
     plan = LeafPlan("project", shape, *(dims or _default_dims(shape)), rank)
     if rank >= min(plan.m, plan.n):
+        if min(plan.m, plan.n) == 1:  # a stack of vectors (a `(layers, d)` norm)
+            return (
+                f"it is {plan.describe()}, vectors, not matrices; leave it out of "
+                "`project=`"
+            )
         return (
             f"it is {plan.describe()}, whose smaller side {min(plan.m, plan.n)} does "
             f"not exceed `rank={rank}`; use a smaller rank, give `dims=` to view it "
-            "as a larger matrix, or leave it out of `project=`"
+            "as a larger matrix (for layers stacked on another axis than the first, "
+            "store them on the first instead), or leave it out of `project=`"
         )
     return None
 

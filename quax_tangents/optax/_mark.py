@@ -67,7 +67,15 @@ def flatten_as(treedef: Any, tree: PyTree, message: str) -> list:
         found, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_whole)
         if [jtu.keystr(path) for path, _ in found] == _paths(treedef):
             return [leaf for _, leaf in found]
-        raise ValueError(f"{message}: {error}") from error
+        raise ValueError(f"{message}: {_shortened(str(error))}") from error
+
+
+def _shortened(text: str, limit: int = 600) -> str:
+    """JAX's structure mismatch quotes the whole value (a model's repr can run to
+    thousands of lines): its head says what differs."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} ... ({len(text) - limit} more characters)"
 
 
 def plan_leaves(state: ProjectedState, params: PyTree, where: str):

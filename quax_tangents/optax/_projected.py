@@ -3,10 +3,13 @@ factor of each projected weight (per layer of a stacked weight), and row-sparse
 gradients update only the rows read.
 """
 
+import functools
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Int, PyTree
 
@@ -78,6 +81,53 @@ def _step_size(learning_rate: LearningRate, count: Array) -> Any:
     if callable(learning_rate):
         return -learning_rate_at(learning_rate, count)
     return -learning_rate
+
+
+@functools.lru_cache(maxsize=64)
+def _first_step_sign(base: optax.GradientTransformation) -> int:
+    """The sign of `base`'s first update for a gradient of ones: +1 for a direction
+    (`optax.scale_by_adam()`), -1 for a step down the gradient, which holds a
+    learning rate (`optax.adam(lr)`), 0 where it cannot tell (a zero first step, as
+    a warmup from 0 gives, or a `base` that does not take a small vector alone)."""
+    ones = np.ones((2,), np.float32)
+    try:
+        # Eagerly, even when the optimiser is built inside a traced function.
+        with jax.ensure_compile_time_eval():
+            update, _ = base.update(ones, base.init(ones))
+            total = float(jnp.sum(jnp.asarray(update)))
+    except Exception:  # a base that needs parameters, matrices or other inputs
+        return 0
+    return int(np.sign(total)) if np.isfinite(total) else 0
+
+
+def check_step_sign(
+    base: optax.GradientTransformation, learning_rate: LearningRate, where: str
+) -> None:
+    """Refuses a `base` that already steps down the gradient given a
+    `learning_rate` as well, which would scale its steps a second time."""
+    if learning_rate is None or _first_step_sign(base) >= 0:
+        return
+    raise ValueError(
+        f"{where}: `base` already holds a learning rate: its first update for a "
+        "gradient of ones is negative, a step down the gradient as `optax.adam(lr)` "
+        "makes, and `learning_rate=` would scale each step a second time. Pass a "
+        "direction as `base` (such as `optax.scale_by_adam()`) with "
+        "`learning_rate=`, or leave `learning_rate=None`."
+    )
+
+
+def check_steps_descend(base: optax.GradientTransformation, where: str) -> None:
+    """Refuses a `base` whose updates are a direction (`optax.scale_by_adam()`) with
+    no learning rate: each step would climb the loss at a learning rate of 1."""
+    if _first_step_sign(base) <= 0:
+        return
+    raise ValueError(
+        f"{where}: `learning_rate` is None, so `base` must hold the learning rate, "
+        "but its first update for a gradient of ones is positive: a direction, as "
+        "`optax.scale_by_adam()` (the default `base`) gives, which would climb the "
+        "loss at a learning rate of 1. Pass `learning_rate=` (a float or an optax "
+        "schedule)."
+    )
 
 
 def _zeros_like_factor(plan: LeafPlan, leaf: Any, projector_side: bool) -> Array:
@@ -169,7 +219,9 @@ def projected(
     - `rank`: the projection rank.
     - `learning_rate`: a float or an optax schedule (evaluated at the step count),
         applied to every update as `optax.scale_by_learning_rate` would; `None`
-        when `base` applies it.
+        when `base` applies it. Given with a `base` that already steps down the
+        gradient (its first update for a gradient of ones is negative, as
+        `optax.adam(lr)`'s), a `ValueError`: the learning rate would apply twice.
     - `refresh_every`: steps between projector refreshes.
     - `scale`: multiplies the updates of projected leaves (GaLore's alpha).
     - `project`: which leaves are projected, in any form `optax.masked` takes: a
@@ -216,6 +268,7 @@ def projected(
             "`learning_rate` must be a float, an optax schedule or None, got "
             f"{learning_rate!r}."
         )
+    check_step_sign(base, learning_rate, "`quax_tangents.optax.projected`")
 
     def init(params: PyTree) -> ProjectedState:
         reject_compressed(
@@ -344,12 +397,14 @@ def _record_dense_gradient(path: str) -> None:
         ("LowRank",),
         f"the gradient of the projected leaf `{path}` came dense, so the whole "
         "gradient was computed and is projected after the fact",
-        fix="Mark the weight inside the loss with `quax_tangents.optax.mark(params, "
-        "state)` and take the gradient with `quax_tangents.grad` or "
-        "`quax_tangents.value_and_grad` (`jax.grad` of a marked loss computes the "
-        "dense gradient), or train with `quax_tangents.optax.galore`, which marks "
-        "for you. To project dense gradients on purpose, as GaLore does, run the "
-        "update under `quax_tangents.fallback('silent')`.",
+        fix="With `quax_tangents.optax.galore`, take the gradient with its "
+        "`opt.value_and_grad(loss_fn)(params, state, batch)`, which marks for you "
+        "(not `jax.value_and_grad`). Otherwise mark the weight inside the loss with "
+        "`quax_tangents.optax.mark(params, state)` and take the gradient with "
+        "`quax_tangents.grad` or `quax_tangents.value_and_grad` (`jax.grad` of a "
+        "marked loss computes the dense gradient). To project dense gradients on "
+        "purpose, as GaLore does, run the update under "
+        "`quax_tangents.fallback('silent')`.",
     )
 
 
@@ -397,8 +452,15 @@ def _finish(
     return (step_size * update).astype(jnp.result_type(update))
 
 
-def find_state(state: Any, where: str) -> ProjectedState:
-    """The one `ProjectedState` inside `state` (an `optax.chain`'s, say)."""
+_ACCUMULATE = (
+    "`quax_tangents.optax.accumulate_gradients(loss_fn, params, state, microbatches)`"
+)
+
+
+def find_state(state: Any, where: str, accumulate: str = _ACCUMULATE) -> ProjectedState:
+    """The one `ProjectedState` inside `state` (an `optax.chain`'s, say);
+    `accumulate` names the way to accumulate microbatches, for the error that
+    refuses `optax.MultiSteps`."""
     found = [
         node
         for node in jtu.tree_leaves(
@@ -411,9 +473,16 @@ def find_state(state: Any, where: str) -> ProjectedState:
             f"{where} was given the state of `optax.MultiSteps` around "
             "`quax_tangents.optax.projected`. MultiSteps adds the fields of the "
             "compressed gradients leaf by leaf, which is not their sum (each "
-            "microbatch's fresh projector differs). Accumulate microbatches with "
-            "`quax_tangents.optax.accumulate_gradients(loss_fn, params, state, "
-            "microbatches)` inside one step instead."
+            f"microbatch's fresh projector differs). Accumulate microbatches with "
+            f"{accumulate} inside one step instead."
+        )
+    if not found:
+        raise ValueError(
+            f"{where}: `state` must contain a state of "
+            "`quax_tangents.optax.projected`, and it holds none (a "
+            f"{type(state).__name__}). Pass the state that the optimiser's `init` "
+            "returned (`opt.init(params)` for `quax_tangents.optax.galore`), in its "
+            "place: `(params, state, ...)`."
         )
     if len(found) != 1:
         raise ValueError(

@@ -35,6 +35,7 @@ nearest, such a change would be undone at every step and the moment would freeze
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -278,6 +279,32 @@ def _decode(codes: Array, scales: Array, shape: tuple[int, ...], dtype: Any) -> 
     return values.astype(dtype)
 
 
+def _is_unpacked(x: Any) -> bool:
+    """A `LogQuantized` stored field by field: a mapping of `codes` and `scales`."""
+    return isinstance(x, Mapping) and set(x.keys()) == {"codes", "scales"}
+
+
+def _refuse_unpacked_codes(inner: Any) -> None:
+    """Flax's `nnx.Optimizer` keeps the state in its variables and, after an update,
+    writes a pytree held in one back as a mapping of its fields: the codes lose
+    their shape and dtype, and `tx.update` would read the mapping as a moment."""
+    leaves = jtu.tree_leaves_with_path(
+        inner, is_leaf=lambda x: isinstance(x, LogQuantized) or _is_unpacked(x)
+    )
+    for path, leaf in leaves:
+        if _is_unpacked(leaf):
+            raise TypeError(
+                "`quax_tangents.optax.quantized_state`: the 8-bit state at "
+                f"`{jtu.keystr(path)}` came back as a mapping of its fields (`codes`, "
+                "`scales`), not a `LogQuantized`, as Flax's `nnx.Optimizer` stores a "
+                "pytree held in its variables after an update. Keep the state as "
+                "`init` returned it: the functional step (`opt.update`, "
+                "`opt.apply`, with the state outside the model), or with "
+                "`nnx.Optimizer` a float state (`quax_tangents.optax.galore(..., "
+                "state_bits=None)`, or `projected` without `quantized_state`)."
+            )
+
+
 def _block_noise(shape: tuple[int, ...], seed: Array) -> Array:
     """Uniform numbers in `[0, 1)` of the blocked shape, from an integer hash of each
     element's position and `seed`: elementwise arithmetic that XLA fuses into the
@@ -470,6 +497,7 @@ def quantized_state(
     def update(
         updates: PyTree, state: Any, params: PyTree = None, **extra: Any
     ) -> tuple[PyTree, QuantizedState]:
+        _refuse_unpacked_codes(state.inner)
         refuse_whole_decode(_stacks_within(state.inner))
         updates, inner = tx.update(updates, decode(state.inner), params, **extra)
         count = jnp.asarray(optax.safe_int32_increment(state.count))

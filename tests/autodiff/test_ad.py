@@ -380,6 +380,11 @@ def test_grad_argnums_has_aux_and_scalar_check():
     assert_close(gb, ref[0][1], scale=float(jnp.abs(ref[0][1]).max()))
     with pytest.raises(TypeError, match="real scalar output"):
         qt.grad(lambda w: X @ w)(W)
+    # A `(loss, aux)` pair without `has_aux`, traced or not, names the flag.
+    with pytest.raises(TypeError, match="pass `has_aux=True`"):
+        qt.grad(loss, argnums=(0, 1))(W, B)
+    with pytest.raises(TypeError, match="pass `has_aux=True`"):
+        jax.jit(qt.value_and_grad(loss))(W, B)
 
 
 def test_forward_mode_of_a_linear_network_never_falls_back():

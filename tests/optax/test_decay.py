@@ -214,6 +214,13 @@ def test_a_mask_of_another_structure_is_refused_by_name():
         opt.update(grads, state, params)
 
 
+def test_a_mask_written_for_one_leaf_is_refused_by_name():
+    # `optax.adamw` hands a callable mask the whole tree; `x.ndim` of a dict fails.
+    opt, params, state, grads = _first_gradients(lambda x: x.ndim >= 2)
+    with pytest.raises(TypeError, match="jax.tree.map"):
+        opt.update(grads, state, params)
+
+
 def test_the_decay_adds_no_temporaries_to_the_apply_of_a_stack():
     # XLA:CPU's buffer assignment: the decay is a scale inside the loop that writes
     # each matrix, not a stack-sized array.

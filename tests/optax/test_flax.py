@@ -82,6 +82,20 @@ def test_nnx_optimizer_trains_as_the_functional_step_does():
     assert losses[-1] < losses[0]
 
 
+def test_nnx_optimizer_with_8_bit_state_is_refused_by_name():
+    # After an update, `nnx.Optimizer` writes each `LogQuantized` (a pytree held in
+    # one of its variables) back as a mapping of its fields: refused, naming the
+    # float state or the functional step, rather than read as a moment.
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, qto.quantized_state(optax.adam(1e-2), block_size=8), wrt=nnx.Param
+    )
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+    optimizer.update(model, grads)
+    with pytest.raises(TypeError, match="state_bits=None"):
+        optimizer.update(model, grads)
+
+
 class LinenMLP(linen.Module):
     @linen.compact
     def __call__(self, x):
@@ -116,6 +130,12 @@ def test_parameters_of_another_structure_are_still_refused():
     state = _tx().init(params)
     with pytest.raises(ValueError, match="must have the structure"):
         qto.mark({"up": params["up"]}, state)
+    # The model itself where its `nnx.State` was expected: JAX's message quotes the
+    # whole model; the error keeps its head.
+    model = MLP(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="more characters") as error:
+        qto.mark(model, state)
+    assert len(str(error.value)) < 1000
 
 
 # ---------------------------------------------------------------------------------------

@@ -181,6 +181,7 @@ def test_float_state_when_asked():
     [
         ({"rank": 0}, ValueError, "`rank`"),
         ({"rank": 2.0}, TypeError, "`rank`"),
+        ({"rank": True}, TypeError, "`rank`"),
         ({"rank": 2, "state_bits": 4}, ValueError, "`state_bits`"),
         ({"rank": 2, "iters": -1}, ValueError, "`iters`"),
         ({"rank": 2, "base": optax.adam}, TypeError, "`base`"),
@@ -189,6 +190,63 @@ def test_float_state_when_asked():
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         qto.galore(**kwargs)
+
+
+def test_a_state_that_is_not_this_pipelines_is_refused_by_name():
+    params = _params()
+    state = OPT.init(params)
+    grad_fn = OPT.value_and_grad(loss_fn)
+    with pytest.raises(ValueError, match="opt.init"):
+        grad_fn(params, optax.adam(1e-2).init(params), _batch(0))
+    with pytest.raises(ValueError, match=r"\(params, state, \.\.\.\)"):
+        grad_fn(state, params, _batch(0))
+    multi = optax.MultiSteps(OPT.transformation(params), 2).init(params)
+    with pytest.raises(TypeError, match="microbatches=k"):
+        grad_fn(params, multi, _batch(0))
+    # A float state handed to the 8-bit pipeline (a checkpoint of another run).
+    _, grads = grad_fn(params, state, _batch(0))
+    float_state = qto.galore(
+        rank=2, learning_rate=1e-2, project=_blocks, state_bits=None
+    ).init(params)
+    with pytest.raises(TypeError, match="state_bits=None"):
+        OPT.update(grads, float_state, params)
+
+
+def test_a_numpy_integer_rank_is_taken():
+    opt = qto.galore(rank=np.int64(2), learning_rate=1e-2, project=_blocks)
+    assert opt.rank == 2 and type(opt.rank) is int
+
+
+def test_a_direction_without_a_learning_rate_is_refused():
+    # `optax.scale_by_adam()` gives Adam's direction: with no learning rate, each
+    # step would climb the loss.
+    with pytest.raises(ValueError, match="Pass `learning_rate=`"):
+        qto.galore(rank=2)
+    with pytest.raises(ValueError, match="Pass `learning_rate=`"):
+        qto.galore(optax.scale_by_lion(), rank=2)
+
+
+@pytest.mark.parametrize("make", [qto.galore, qto.projected])
+def test_a_learning_rate_twice_is_refused(make):
+    with pytest.raises(ValueError, match="already holds a learning rate"):
+        make(optax.adam(1e-2), rank=2, learning_rate=1e-2)
+
+
+def test_a_base_that_holds_the_learning_rate_descends():
+    # `optax.adam(lr)` steps down the gradient itself: taken with no
+    # `learning_rate`, and a warmup from 0 (a first step of 0) is taken either way.
+    params = _params()
+    for opt in (
+        qto.galore(optax.adam(1e-2), rank=2, project=_blocks),
+        qto.galore(optax.adam(optax.linear_schedule(0.0, 1e-2, 4)), rank=2),
+        qto.galore(rank=2, learning_rate=optax.linear_schedule(0.0, 1e-2, 4)),
+    ):
+        state = opt.init(params)
+        for _ in range(2):
+            loss, grads = opt.value_and_grad(loss_fn)(params, state, _batch(0))
+            updates, state = opt.update(grads, state, params)
+            params = opt.apply(params, updates)
+        assert loss_fn(params, _batch(0)) < loss
 
 
 def test_a_batch_that_microbatches_do_not_divide_is_named():

@@ -14,6 +14,7 @@ import quax_tangents as qt
 import quax_tangents.optax as qto
 from quax_tangents.optax._stacks import per_layer
 from tests.helpers import assert_close, random_array, seeds
+from tests.helpers.compilers import converts_slices_in_loops
 from tests.helpers.fallback import projects_dense_gradients
 
 
@@ -191,10 +192,11 @@ def _f32_buffers(text: str, shape: tuple) -> int:
     return len(re.findall(rf"f32\[{dims}\]", text))
 
 
+@converts_slices_in_loops
 def test_the_8_bit_state_is_decoded_one_layer_at_a_time():
     # Without `layerwise`, the update decodes every layer's moments to float32 at
     # once: the compiled update holds float32 arrays of the stacked shape. Read from
-    # XLA:CPU's compiled HLO (this suite's backend).
+    # XLA:CPU's compiled HLO (this suite's backend), from JAX 0.11.
     layers, shape = 4, (4, 64, 256)
     params = {"w": jnp.zeros(shape, jnp.bfloat16)}
     tx = qto.quantized_state(optax.adam(0.1))

@@ -141,7 +141,7 @@ def test_mark_takes_the_whole_module_and_a_chained_state():
     model = eqx.combine(params, static)
     marked = qto.mark(model, state)  # non-array leaves pass through
     assert isinstance(marked, Net)
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="holds none"):
         qto.mark(params, optax.scale_by_adam().init(params))
 
 
@@ -293,6 +293,34 @@ def test_a_dense_use_of_a_viewed_leaf_is_counted():
         grads = qt.grad(marked)(params)
     # Still the projection of the whole gradient, in the matrix view.
     _projected_view(grads["query"], jax.grad(loss)(params)["query"], DIMS["query"])
+
+
+def test_a_scan_over_a_dim_of_one_viewed_matrix_is_counted():
+    # Layers stored on the second axis `(d, layers, f)` (Flax's `nn.scan` with
+    # `variable_axes={"params": 1}`), viewed with `dims=(0, 1)` as one `(d, layers
+    # * f)` matrix, then moved to the front and scanned over: the scan slices a dim
+    # of the matrix, not a stack dim. The weight is used whole, its gradient
+    # computed dense (counted, naming the layout to use) and then projected.
+    d, layers, f = 6, 2, 5
+    params = {"w": random_array(0, (d, layers, f))}
+    dims = {"w": (0, 1)}
+    state = qto.projected(optax.scale_by_adam(), rank=RANK, dims=dims).init(params)
+    x = random_array(1, (3, d))
+
+    def loss(p):
+        def layer(h, w):
+            return jnp.tanh(h @ jnp.pad(w, ((0, 0), (0, d - f)))), None
+
+        return jnp.sum(jax.lax.scan(layer, x, jnp.moveaxis(p["w"], 1, 0))[0] ** 2)
+
+    marked = lambda p: loss(qto.mark(p, state, by_layer=False))  # noqa: E731
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="axis"):
+        qt.grad(marked)(params)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grads = qt.grad(marked)(params)
+    assert qt.fallback_counts()[("scan", "Marked")] == 1
+    _projected_view(grads["w"], jax.grad(loss)(params)["w"], dims["w"])
 
 
 def _attention_steps():
