@@ -103,6 +103,17 @@ def _jit_dense(*args: ArrayLike, jaxpr: Any, **params: Any) -> Any:
     return jit_quax(*args, jaxpr=jaxpr, **params)
 
 
+@rule(jit_p, precedence=1)
+def _jit_values(*args: ArrayLike | quax.ArrayValue, jaxpr: Any, **params: Any) -> Any:
+    """A jitted function (`jnp.take`, say) given compressed values: its body is
+    inlined under the trace. quax would run it as a `jax.jit` of the quaxified body,
+    cached per jaxpr, whose later calls skip this library's rules, and with them
+    the densifications they count: a second trace of the same step counted none,
+    and `fallback("error")` could not raise there."""
+    del params
+    return _enter_trace(jexc.jaxpr_as_fun(jaxpr))(*args)
+
+
 # ---------------------------------------------------------------------------------------
 # Call primitives (`closed_call`, which JAX's partial evaluation of a checkpointed body
 # nested in a scan binds on the trace below it) are inlined: quax 0.4's trace has

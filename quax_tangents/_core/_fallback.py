@@ -197,10 +197,10 @@ def record_densification(
 
 def _package_folders() -> tuple[str, ...]:
     """The folders of this library, of the packages a densification is reached
-    through (JAX's tracing, quax's dispatch, Equinox, plum, optax) and of Python's
-    standard library."""
+    through (JAX's tracing, quax's dispatch, Equinox, plum, optax, Flax's layers)
+    and of Python's standard library."""
     folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    for name in ("jax", "jaxlib", "quax", "equinox", "plum", "optax"):
+    for name in ("jax", "jaxlib", "quax", "equinox", "plum", "optax", "flax"):
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
             folders.extend(spec.submodule_search_locations)

@@ -271,6 +271,25 @@ def test_scanning_over_the_rows_of_a_matrix_densifies_it():
     assert ("scan", "LowRank") in qt.fallback_counts()
 
 
+def test_a_densification_inside_a_jitted_function_counts_on_every_trace():
+    # A jitted function given a compressed value (as `jnp.take` is, inside a
+    # loss): every trace runs the rules again, so each counts the densification
+    # and `fallback("error")` raises on a later trace as on the first.
+    @jax.jit
+    def inner(x):
+        return jnp.sin(x)
+
+    value = qt.LowRank(random_array(15, (6, 2)), random_array(16, (5, 2)))
+    for _ in range(2):
+        qt.reset_fallback_counts()
+        with qt.fallback("silent"):
+            out = jax.jit(quax.quaxify(inner))(value)
+        assert qt.fallback_counts() == {("sin", "LowRank"): 1}
+        assert_close(out, jnp.sin(value.materialise()))
+        with qt.fallback("error"), pytest.raises(qt.DensificationError):
+            jax.jit(quax.quaxify(lambda x: inner(x)))(value)
+
+
 def test_scanning_over_stacked_values_keeps_them():
     stacked = jax.vmap(lambda a: qt.low_rank(a, 1))(STACK)
     with qt.fallback("error"):

@@ -77,6 +77,22 @@ def _jit():
     return draw_case()
 
 
+@case("jit", "*ArrayValue|dense")
+def _jit_values():
+    # A jitted body given a compressed value, inlined under the trace: a product,
+    # or a scale and a negation, each keeping the type.
+    @st.composite
+    def draw_case(draw):
+        x = draw(lowrank_values(dtype=jnp.float32, batch_dims=0))
+        w = random_array(draw(seeds()), (x.shape[1], draw(st.integers(1, 5))))
+        if draw(st.booleans()):
+            body = jax.jit(lambda a, b: a @ b)
+            return Case(body, (x, w), out_type=qt.LowRank, scale=float(x.shape[1]))
+        return Case(jax.jit(lambda a: -(2.0 * a)), (x,), out_type=qt.LowRank)
+
+    return draw_case()
+
+
 @case("remat2", "*ArrayValue|dense")
 def _remat():
     @st.composite

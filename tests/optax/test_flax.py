@@ -1,6 +1,8 @@
 """Projected training of Flax models: NNX state from `nnx.split`, NNX's own
 `nnx.Optimizer`, and Linen parameter dicts."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -94,6 +96,24 @@ def test_nnx_optimizer_with_8_bit_state_is_refused_by_name():
     optimizer.update(model, grads)
     with pytest.raises(TypeError, match="state_bits=None"):
         optimizer.update(model, grads)
+
+
+def test_a_densification_inside_a_flax_layer_is_reported_at_the_callers_line():
+    # A projected embedding table read by `nnx.Embed`'s gather: the warning names
+    # the line of the loss that called the layer, not Flax's.
+    embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(embed, nnx.Param)
+    state = _tx().init(params)
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, qto.mark(p, state))(jnp.arange(4)) ** 2)
+
+    qt.reset_fallback_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qt.grad(loss)(params)
+    gathers = [w for w in caught if str(w.message).startswith("`gather`")]
+    assert [w.filename for w in gathers] == [__file__]
 
 
 class LinenMLP(linen.Module):
