@@ -83,8 +83,21 @@ def _step_size(learning_rate: LearningRate, count: Array) -> Any:
     return -learning_rate
 
 
-@functools.lru_cache(maxsize=64)
 def _first_step_sign(base: optax.GradientTransformation) -> int:
+    """`_step_sign`, once per `base` (a pipeline builds its transformation anew at
+    each trace); uncached for a `base` that cannot be hashed."""
+    try:
+        return _cached_step_sign(base)
+    except TypeError:  # `_step_sign` raises nothing: `base` is unhashable
+        return _step_sign(base)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_step_sign(base: optax.GradientTransformation) -> int:
+    return _step_sign(base)
+
+
+def _step_sign(base: optax.GradientTransformation) -> int:
     """The sign of `base`'s first update for a gradient of ones: +1 for a direction
     (`optax.scale_by_adam()`), -1 for a step down the gradient, which holds a
     learning rate (`optax.adam(lr)`), 0 where it cannot tell (a zero first step, as

@@ -232,6 +232,26 @@ def test_a_learning_rate_twice_is_refused(make):
         make(optax.adam(1e-2), rank=2, learning_rate=1e-2)
 
 
+class _Unhashable:
+    """A callable that cannot be hashed, as an `eqx.Module` holding an array."""
+
+    __hash__ = None
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def test_an_unhashable_base_is_probed_too():
+    adam = optax.scale_by_adam()
+    base = optax.GradientTransformation(_Unhashable(adam.init), adam.update)
+    qto.galore(base, rank=2, learning_rate=1e-2)
+    with pytest.raises(ValueError, match="Pass `learning_rate=`"):
+        qto.galore(base, rank=2)
+
+
 def test_a_base_that_holds_the_learning_rate_descends():
     # `optax.adam(lr)` steps down the gradient itself: taken with no
     # `learning_rate`. A warmup from 0 (a first step of 0, which tells nothing) is
