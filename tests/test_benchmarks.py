@@ -202,6 +202,23 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_loop_layouts_benchmark_quick(tmp_path):
+    # On the CPU, small shapes: every arm compiles, and its whole-stack copies are
+    # counted (XLA:CPU copies some; the TPU figures are the results files').
+    text = _run_quick("bench_loop_layouts.py", tmp_path / "loops.md")
+    assert "bench_loop_layouts.py --quick --out" in text
+    rows = re.findall(r"^\| ([\w +,_-]+) \| ([0-9.]+) \| (\d+) \|$", text, re.M)
+    assert [row[0] for row in rows] == [
+        "no loop",
+        "while_loop",
+        "scan + cond",
+        "while_loop, carried row-major",
+    ], text
+    # The loops hold a running sum of the gradient that the arm of no loop lacks.
+    assert all(float(row[1]) >= float(rows[0][1]) for row in rows), text
+
+
+@pytest.mark.slow
 def test_compile_benchmark_quick(tmp_path):
     # On the CPU: each arm's step is lowered and compiled under the profiler, and
     # the compiler's own events give its phases and the kernels it generated.

@@ -37,6 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.core import Tracer
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -112,9 +114,11 @@ def _trips(
     after: Callable[[Array, Array, Any, list], Any],
     state: Any,
     trips: Array,
+    carried: list[bool],
 ) -> tuple[Any, Array, Any, list]:
     """`trips` passes over the microbatches in one `while_loop` over (trip,
-    microbatch), so that the model's pass is compiled once, whatever the trips.
+    microbatch), so that the model's pass is compiled once, whatever the trips; the
+    loop carries the leaves of `params` that `carried` flags (see `_loop_weights`).
 
     Trip `t` marks the leaves with `modes(t, state)` (the marks add into the
     running sums themselves); after each microbatch, `state = after(t, last,
@@ -144,7 +148,9 @@ def _trips(
     value_and_grad = _ad.value_and_grad(loss_of, argnums=0, has_aux=has_aux)
     none = [None] * len(plans)
 
-    def one(batch: Any, modes: list, totals: list = none) -> tuple[Array, Any, list]:
+    def one(
+        batch: Any, modes: list, totals: list = none, params: PyTree = params
+    ) -> tuple[Array, Any, list]:
         value, grads = value_and_grad(params, batch, modes, totals)
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
@@ -161,8 +167,11 @@ def _trips(
     def stacked(x: Any) -> Any:
         return jnp.zeros((k, *x.shape), x.dtype)
 
+    weights, with_weights = _loop_weights(params, treedef, carried)
+
     def body(carry: tuple) -> tuple:
-        j, state, loss_sum, sums, aux, rows = carry
+        j, weights, state, loss_sum, sums, aux, rows = carry
+        weights = [_row_major(w) for w in weights]
         t, i = j // k, j % k
         # A trip starts its sums from zero (in place: the carry's own buffers).
         start = i == 0
@@ -185,7 +194,9 @@ def _trips(
         # GiB against 0.37 tied).
         batch, _ = jax.lax.optimization_barrier((batch, j))
         totals = [s if add else None for s, add in zip(sums, into)]
-        loss, one_aux, parts = one(batch, modes(t, state), totals)
+        loss, one_aux, parts = one(
+            batch, modes(t, state), totals, with_weights(weights)
+        )
         sums = [
             constrain(x if add else s + x, layout(n, x))
             if x is not None and (keep or add)
@@ -199,7 +210,7 @@ def _trips(
             for r, x, keep in zip(rows, parts, summed)
         ]
         state = after(t, i == k - 1, state, sums)
-        return j + 1, state, loss_sum + loss, sums, aux, rows
+        return j + 1, weights, state, loss_sum + loss, sums, aux, rows
 
     zeros = [
         constrain(jnp.zeros(s.shape, s.dtype), layout(n, s))
@@ -212,13 +223,14 @@ def _trips(
     ]
     init = (
         jnp.int32(0),
+        weights,
         state,
         jnp.zeros(shapes[0].shape, shapes[0].dtype),
         zeros,
         jtu.tree_map(stacked, shapes[1]),
         rows,
     )
-    _, state, loss_sum, sums, aux, rows = jax.lax.while_loop(
+    _, _, state, loss_sum, sums, aux, rows = jax.lax.while_loop(
         lambda carry: carry[0] < trips * k, body, init
     )
     means = [
@@ -228,6 +240,79 @@ def _trips(
         for n, (s, r, keep) in enumerate(zip(sums, rows, summed))
     ]
     return state, loss_sum / k, aux, means
+
+
+def _loop_weights(
+    params: PyTree, treedef: Any, carried: list[bool]
+) -> tuple[list, Callable[[list], PyTree]]:
+    """The leaves of `params` (as `treedef` flattens them) that `carried` flags, and
+    the function that puts carried leaves back into `params`.
+
+    The trips' loop carries these weights instead of closing over them, and lays
+    them out in row-major order inside it. The TPU compiler of libtpu 0.0.52 gives
+    a weight that a loop only reads the layout its matmuls read it in, copying each
+    whole stack of weights once before the loop (`(layers, d, d)` attention stacks,
+    which the forward pass reads transposed), where earlier compilers, and a pass
+    with no loop around it, copy one layer at a time. Carrying the weights is not
+    enough, nor is the constraint on weights closed over: the two together keep
+    the copies per layer (`benchmarks/bench_loop_layouts.py`). Figures, for one
+    chip (`benchmarks/bench_scale.py --target ...`, with and without):
+
+    - the 1B step of one microbatch (v5e): 6.59 GiB without, 6.03 with;
+    - the 7B step of 4 microbatches (v5p): 24.71 GiB without, 22.01 with;
+    - libtpu 0.0.50.1 and 0.0.42.1: unchanged (6.11 and 5.74 GiB at 1B).
+
+    Only weights whose default layout is row-major on every backend are carried
+    (`_tiled`): constrained to row-major inside the loop, a TPU layout of another
+    order was copied on every trip (the 1B step held 7.33 GiB on libtpu 0.0.50.1).
+    Nor are weights laid out across devices: XLA's partitioner gathers the operand
+    of a layout constraint, and the 7B step of an FSDP v5e:8 slice held 4.82 GiB
+    per chip instead of 3.16 on libtpu 0.0.50.1."""
+    leaves = treedef.flatten_up_to(params)
+    indices = [i for i, c in enumerate(carried) if c]
+
+    def with_weights(weights: list) -> PyTree:
+        full = list(leaves)
+        for i, w in zip(indices, weights):
+            full[i] = w
+        return jtu.tree_unflatten(treedef, full)
+
+    return [leaves[i] for i in indices], with_weights
+
+
+def _carried(leaves: list, shardings: Any, treedef: Any) -> list[bool]:
+    """Per leaf, whether the trips' loop carries it (`_loop_weights`): a weight that
+    `_tiled` accepts and that neither `shardings` (`accumulate_gradients`' own) nor
+    its type spreads over several devices."""
+    given = (
+        [None] * len(leaves)
+        if shardings is None
+        else flatten_as(treedef, shardings, f"{_WHERE}: `shardings`")
+    )
+    return [
+        _tiled(x) and not (_spread(s) or _spread(explicit_sharding(x)))
+        for x, s in zip(leaves, given)
+    ]
+
+
+def _spread(sharding: Any) -> bool:
+    return isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
+
+
+def _tiled(x: Any) -> bool:
+    """Whether `x` is a floating array of 2 dims or more whose last two dims fill a
+    TPU's tiles (128 columns; 8 rows of 32 bits, more of a narrower type), so that
+    its default layout is row-major there as on other backends."""
+    if not isinstance(x, (jax.Array, Tracer)) or jnp.ndim(x) < 2:
+        return False
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return False  # not a weight (a key array's dtype has no size)
+    rows = 8 * max(1, 4 // jnp.dtype(x.dtype).itemsize)
+    return x.shape[-1] % 128 == 0 and x.shape[-2] % rows == 0
+
+
+def _row_major(x: Array) -> Array:
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def _layout(sharding: Any, plan: LeafPlan | None, x: Any, projector_side: bool) -> Any:
@@ -468,6 +553,7 @@ def accumulate_gradients(
         after,
         (matrices, tests),
         trips,
+        _carried(leaves, shardings, treedef),
     )
     grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)

@@ -16,6 +16,7 @@ import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, heads, random_array
 from tests.helpers.fallback import projects_dense_gradients
+from tests.helpers.loop_weights import layout_constraints, project_matrices, tiled_case
 from tests.helpers.matrix_view import (
     DIMS,
     D,
@@ -170,6 +171,45 @@ def test_the_scan_carries_no_weight_shaped_accumulator():
     # A dense accumulator would add one more per weight.
     assert weight_shaped(dense) == 4
     assert weight_shaped(ours) == 2
+
+
+def test_tiled_weights_ride_the_loop_row_major_to_the_same_gradient():
+    # The trips' loop carries the weights whose default layout is row-major on a
+    # TPU too, and keeps them row-major inside it (libtpu 0.0.52 copies a stack it
+    # only reads into its matmuls' layout, whole, before the loop); the others it
+    # closes over. Either way the gradient is the full batch's.
+    rng = np.random.default_rng(11)
+    params, microbatches, loss = tiled_case(rng, K, B)
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=RANK,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=project_matrices,
+    )
+    state = tx.init(params)
+    key = jax.random.key(3)
+
+    @jax.jit
+    def accumulated(params, state, microbatches):
+        return qto.accumulate_gradients(loss, params, state, microbatches, key=key)
+
+    @jax.jit
+    def full_batch(params, state, batch):
+        marked = lambda p: loss(qto.mark(p, state, key=key), batch)  # noqa: E731
+        return qt.value_and_grad(marked)(params)
+
+    lowered = accumulated.lower(params, state, microbatches).as_text()
+    assert layout_constraints(lowered) == ["128x128xf32"]
+    for _ in range(2):  # a refresh, then a step that keeps the projectors
+        value, grads = accumulated(params, state, microbatches)
+        expected_value, expected = full_batch(params, state, _full(microbatches))
+        assert_close(value, expected_value)
+        for name in ("tiled", "ragged"):
+            assert_close(grads[name], expected[name], factor=5)
+        assert_close(grads["bias"], expected["bias"])
+        updates, state = tx.update(grads, state)
+        params = qto.apply_updates(params, updates)
 
 
 # ---------------------------------------------------------------------------------------
