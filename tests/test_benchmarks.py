@@ -202,6 +202,28 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_data_parallel_benchmark_quick(tmp_path):
+    # 60M on 8 host devices: every arm compiles, and `qto.galore` inside
+    # `shard_map` receives fewer bytes per step than either Adam, and fewer than
+    # itself under `jit`, whose partitioner all-reduces in every microbatch.
+    text = _run_quick("bench_data_parallel.py", tmp_path / "dp.md")
+    assert "bench_data_parallel.py --quick --out" in text
+    rows = re.findall(
+        r"^\| 60M \| `([\w ,_-]+)` \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+) \|", text, re.M
+    )
+    received = {arm: float(value) for arm, value in rows}
+    assert list(received) == [
+        "adam, jit",
+        "adam, shard_map",
+        "galore, jit",
+        "galore, shard_map",
+    ], text
+    galore = received["galore, shard_map"]
+    assert galore < min(received["adam, jit"], received["adam, shard_map"]), text
+    assert galore < received["galore, jit"], text
+
+
+@pytest.mark.slow
 def test_loop_layouts_benchmark_quick(tmp_path):
     # On the CPU, small shapes: every arm compiles, and its whole-stack copies are
     # counted (XLA:CPU copies some; the TPU figures are the results files').

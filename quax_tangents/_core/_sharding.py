@@ -62,8 +62,29 @@ def transposed_type(aval: Any, transposed: bool) -> Any:
 
 def varying_axes(x: Any) -> frozenset:
     """The mesh axes `x` varies over, as `check_vma` types it (empty elsewhere)."""
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()))
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", ()))
+
+
+def varying_type(shape: tuple, dtype: Any, *operands: Any) -> Any:
+    """The abstract result of a primitive of `operands`: `shape` and `dtype`, varying
+    over every mesh axis that any operand varies over (`check_vma`, inside
+    `jax.shard_map`), so that a jaxpr traced with it runs with the values its rules
+    compute; a plain `ShapedArray` elsewhere."""
+    avals = [
+        x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x) for x in operands
+    ]
+    varying = frozenset().union(*map(varying_axes, avals))
+    if not varying:
+        return jax.core.ShapedArray(tuple(shape), dtype)
+    ref: Any = next(a for a in avals if varying_axes(a))
+    return ref.update(
+        shape=tuple(shape),
+        dtype=dtype,
+        weak_type=False,
+        sharding=ref.sharding.update(spec=P()),
+        manual_axis_type=ref.manual_axis_type.update(varying=varying),
+    )
 
 
 def factored_type(shape: tuple, dtype: Any, left: Any, right: Any) -> Any:
@@ -125,8 +146,20 @@ def typed_as(aval: Any, spec: Any) -> Any:
 
 def sliced_struct(x: Array) -> jax.ShapeDtypeStruct:
     """The shape, dtype and (under explicit axes) sharding of one slice `x[i]` of
-    `x` along its leading dim: what a scan's body receives."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    `x` along its leading dim: what a scan's body receives. Inside `jax.shard_map`
+    it keeps the mesh axes `x` varies over, so that the body is traced with the
+    types it runs with."""
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    manual = getattr(aval, "mat", None)
+    if sharding is not None and getattr(manual, "varying", None):
+        # A struct's varying axes need its mesh, the body's manual one.
+        return jax.ShapeDtypeStruct(
+            x.shape[1:],
+            x.dtype,
+            sharding=jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:])),
+            manual_axis_type=manual,
+        )
     if not explicit_axes() or sharding is None or sharding.mesh.empty:
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     spec = P(*spec_entries(x)[1:])

@@ -29,12 +29,14 @@ import quax
 
 from .._core import _fallback
 from .._core._compat import scan_counts
+from .._core._devices import device_varying
 from .._core._layout import constrain, drop_leading, explicit_sharding
+from .._core._sharding import varying_axes
 from . import _cotangents
 from ._marked import Marked
 from ._projection import typed_as
 from ._slices import projected_factor, projected_pair, projection
-from ._sources import Fresh
+from ._sources import Fresh, Given
 
 
 def _is_float(x: Any) -> bool:
@@ -192,11 +194,14 @@ def _backward(
         return (new_ct_k, new_ct_c, new_sums, new_bases), (per_iteration, ct_x, factors)
 
     float_ct_ys = [c for c in ct_ys if jnp.result_type(c) != jax.dtypes.float0]
+    # Inside `jax.shard_map`: the mesh axes a layer's cotangent, and so a projector
+    # found from it, may vary over.
+    varying = frozenset().union(*map(varying_axes, [*arrays, *cts]))
     init = (
         [ct_carry[i] for i in carry_diff],
         [jnp.zeros_like(arrays[i]) for i in const_dense],
         [projected[i][1][-1] for i in pushed],
-        [_given_projectors(arrays[i], *projected[i]) for i in paired],
+        [_given_projectors(arrays[i], *projected[i], varying) for i in paired],
     )
     (ct_k, ct_c, running, bases), (ct_marked, ct_xs, factors) = jax.lax.scan(
         back_step,
@@ -259,13 +264,20 @@ def _write_slice(stack: Any, value: Any, index: Any) -> Any:
     return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
 
 
-def _given_projectors(w: Any, spec: Any, operands: tuple) -> Any:
+def _given_projectors(w: Any, spec: Any, operands: tuple, varying: frozenset) -> Any:
     """The stack of projectors that a backward scan writes each layer's over: the
-    given one (`Given`, `Switch`), or zeros for a `Fresh` mark's."""
+    given one (`Given`, `Switch`), or zeros for a `Fresh` mark's. Unless given,
+    typed as varying over the mesh axes `varying` (inside `jax.shard_map`), as the
+    projectors found from the cotangents are, so that the scan's carry keeps one
+    type."""
     if isinstance(spec.source, Fresh):
         *batch, m, n = jnp.shape(w)
-        return jnp.zeros((*batch, min(m, n), spec.rank), jnp.result_type(w))
-    return operands[0]
+        stack = jnp.zeros((*batch, min(m, n), spec.rank), jnp.result_type(w))
+    else:
+        stack = operands[0]
+    if isinstance(spec.source, Given) or not varying:
+        return stack
+    return device_varying(stack, tuple(varying))
 
 
 def _stacked_projection(projector: Any, total: Any, w: Any) -> Any:

@@ -77,7 +77,7 @@ def _rows_dense(ids: Array, rows: Array, *, num_rows: int) -> Array:
 
 
 def _rows_abstract(ids: Any, rows: Any, *, num_rows: int) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray((num_rows, *rows.shape[1:]), rows.dtype)
+    return _sharding.varying_type((num_rows, *rows.shape[1:]), rows.dtype, ids, rows)
 
 
 define_primitive(rows_p, _rows_dense, _rows_abstract)

@@ -13,19 +13,21 @@ Outside a quax trace each one computes its dense semantics, as those of
 
 from typing import Any
 
-import jax
-import jax.core
 import jax.extend.core as jexc
 import jax.numpy as jnp
+import jax.tree_util as jtu
 from jax.interpreters import mlir
 from jaxtyping import Array, ArrayLike
 
+from .._core._devices import device_varying
 from .._core._fallback import record_densification
 from .._core._registry import rule
+from .._core._sharding import varying_axes, varying_type
 from .._core._unchecked import unchecked
 from .._types.lowrank import LowRank
 from .._types.outer import OuterSum
 from ._projection import Finish, define_primitive, project_dense, project_outer
+from ._sources import Given
 
 
 # ---------------------------------------------------------------------------------------
@@ -45,7 +47,7 @@ def _projected_factor_dense(ct: Array, *operands: Array, spec: Finish) -> Array:
 
 
 def _projected_factor_abstract(ct: Any, *operands: Any, spec: Finish) -> Any:
-    return jax.core.ShapedArray(operands[-1].shape, operands[-1].dtype)
+    return varying_type(operands[-1].shape, operands[-1].dtype, ct, *operands)
 
 
 define_primitive(
@@ -61,9 +63,19 @@ def projected_factor(ct: Any, operands: tuple, total: Any, spec: Finish) -> Any:
     return projected_factor_p.bind(ct, *operands, total, spec=spec)
 
 
+def _varying_as(x: Array, *sources: Any) -> Array:
+    """`x` typed as varying over every mesh axis that an array of `sources` varies
+    over (inside `jax.shard_map`), as the primitive's abstract result is: a jaxpr
+    traced with that type runs with the value a rule computes, which may vary over
+    fewer (a given projector, a sum of factors that are the same everywhere)."""
+    axes = frozenset().union(*map(varying_axes, jtu.tree_leaves(sources)))
+    missing = axes - varying_axes(x)
+    return device_varying(x, tuple(missing)) if missing else x
+
+
 @rule(projected_factor_p)
 def _projected_factor_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> Array:
-    return _factor(project_outer(spec, ct, operands))
+    return _varying_as(_factor(project_outer(spec, ct, operands)), ct, operands)
 
 
 def _projected_dense_slice(
@@ -80,7 +92,8 @@ def _projected_dense_slice(
 
 @rule(projected_factor_p, dense_output=True)
 def _projected_factor_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Array:
-    return _factor(_projected_dense_slice(projected_factor_p, ct, operands, spec))
+    factor = _factor(_projected_dense_slice(projected_factor_p, ct, operands, spec))
+    return _varying_as(factor, ct, operands)
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,22 +105,30 @@ projected_pair_p = jexc.Primitive("projected_pair")
 projected_pair_p.multiple_results = True
 
 
-def _pair(result: LowRank) -> list[Array]:
-    """`[projector, factor]` of a projection."""
+def _pair(result: LowRank, ct: Any, operands: tuple, spec: Finish) -> list[Array]:
+    """`[projector, factor]` of a projection, typed as `_projected_pair_abstract`
+    types them."""
     projector = result.left if result.projector_side == "left" else result.right
-    return [projector, _factor(result)]
+    sources = operands if isinstance(spec.source, Given) else (ct, operands)
+    return [
+        _varying_as(projector, *sources),
+        _varying_as(_factor(result), ct, operands),
+    ]
 
 
 def _projected_pair_dense(ct: Array, *operands: Array, spec: Finish) -> list[Array]:
-    return _pair(project_dense(spec, ct, operands))
+    return _pair(project_dense(spec, ct, operands), ct, operands, spec)
 
 
 def _projected_pair_abstract(ct: Any, *operands: Any, spec: Finish) -> list[Any]:
     *batch, m, n = ct.shape
     small, large = min(m, n), max(m, n)
+    # A given projector comes out as it went in: it varies over the devices only
+    # where it did; a fresh one is found from `ct`.
+    sources = operands if isinstance(spec.source, Given) else (ct, *operands)
     return [
-        jax.core.ShapedArray((*batch, small, spec.rank), ct.dtype),
-        jax.core.ShapedArray((*batch, large, spec.rank), ct.dtype),
+        varying_type((*batch, small, spec.rank), ct.dtype, *sources),
+        varying_type((*batch, large, spec.rank), ct.dtype, ct, *operands),
     ]
 
 
@@ -127,12 +148,13 @@ def projected_pair(ct: Any, operands: tuple, spec: Finish) -> list[Any]:
 
 @rule(projected_pair_p)
 def _projected_pair_outer(ct: OuterSum, *operands: ArrayLike, spec: Finish) -> list:
-    return _pair(project_outer(spec, ct, operands))
+    return _pair(project_outer(spec, ct, operands), ct, operands, spec)
 
 
 @rule(projected_pair_p, dense_output=True)
 def _projected_pair_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> list:
-    return _pair(_projected_dense_slice(projected_pair_p, ct, operands, spec))
+    result = _projected_dense_slice(projected_pair_p, ct, operands, spec)
+    return _pair(result, ct, operands, spec)
 
 
 projection_p = jexc.Primitive("projection")
@@ -147,7 +169,7 @@ def _projection_abstract(projector: Any, factor: Any, *, left: bool) -> Any:
     *batch, side, _ = projector.shape
     other = factor.shape[-2]
     shape = (*batch, side, other) if left else (*batch, other, side)
-    return jax.core.ShapedArray(tuple(shape), factor.dtype)
+    return varying_type(tuple(shape), factor.dtype, projector, factor)
 
 
 define_primitive(projection_p, _projection_dense, _projection_abstract)

@@ -21,6 +21,7 @@ from jaxtyping import ArrayLike, PyTree
 
 from .._core._base import materialise_values
 from .._core._registry import rule
+from .._core._sharding import varying_type
 from .._core._validate import values_unchecked
 from .lowrank import LowRank, within_budget
 
@@ -77,7 +78,7 @@ def _compress_dense(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
 
 
 def _compress_abstract(x: Any, *, compressor: Callable, batch_ndim: int) -> Any:
-    return jax.core.ShapedArray(x.shape, x.dtype)
+    return varying_type(x.shape, x.dtype, x)
 
 
 define_batched(compress_p, _compress_dense, _compress_abstract)
@@ -127,7 +128,7 @@ materialise_p = jexc.Primitive("materialise")
 define_batched(
     materialise_p,
     lambda x, *, batch_ndim: x,
-    lambda x, *, batch_ndim: jax.core.ShapedArray(x.shape, x.dtype),
+    lambda x, *, batch_ndim: varying_type(x.shape, x.dtype, x),
 )
 ad.deflinear(materialise_p, lambda ct, **params: [ct])
 
@@ -191,7 +192,8 @@ def outer_dense(x: Any, ct: Any, *, batch_ndim: int) -> Any:
 
 def outer_abstract(x: Any, ct: Any, *, batch_ndim: int) -> Any:
     shape = x.shape[:batch_ndim] + (x.shape[-1], ct.shape[-1])
-    return jax.core.ShapedArray(shape, jnp.result_type(x.dtype, ct.dtype))
+    # Varying over the mesh axes either operand varies over (inside `shard_map`).
+    return varying_type(shape, jnp.result_type(x.dtype, ct.dtype), x, ct)
 
 
 define_batched(outer_p, outer_dense, outer_abstract)

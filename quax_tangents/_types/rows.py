@@ -22,7 +22,7 @@ from .._core._devices import axis_size, gather_along
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
-from .._core._sharding import explicit_axes, spec_entries, unsharded_along
+from .._core._sharding import explicit_axes, spec_entries, unsharded_along, varying_type
 
 
 _INDEX_DTYPE = jnp.int32
@@ -110,7 +110,8 @@ class SparseRows(CompressedArray):
 
     def aval(self) -> jax.core.ShapedArray:
         shape = (*self.indices.shape[:-1], self.num_rows, *self.row_shape)
-        return jax.core.ShapedArray(shape, self.rows.dtype)
+        # Inside `jax.shard_map`, varying where its rows or row numbers do.
+        return varying_type(shape, self.rows.dtype, self.indices, self.rows)
 
     def materialise(self) -> Array:
         zeros = jnp.zeros(self.shape, self.rows.dtype)

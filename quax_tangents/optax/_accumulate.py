@@ -43,12 +43,20 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._autodiff import _ad
+from .._core._devices import AxisName
 from .._core._layout import constrain, explicit_sharding, is_explicit
 from .._core._unchecked import unchecked
 from .._marks._sources import PHASE_GIVEN
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
+from ._data_parallel import (
+    WHERE,
+    check_axis_name,
+    mean_over_devices,
+    refuse_per_device,
+    varying_over,
+)
 from ._galore_leaves import LeafPlan
 from ._mark import flatten_as, leaf_keys, plan_leaves
 from ._passes import PhasedPass, mark_leaf
@@ -63,7 +71,7 @@ from ._refresh import (
 )
 
 
-_WHERE = "`quax_tangents.optax.accumulate_gradients`"
+_WHERE = WHERE
 
 
 def _test_keys(plan: LeafPlan, key: Any) -> Array:
@@ -115,6 +123,7 @@ def _trips(
     state: Any,
     trips: Array,
     carried: list[bool],
+    axis_name: AxisName = None,
 ) -> tuple[Any, Array, Any, list]:
     """`trips` passes over the microbatches in one `while_loop` over (trip,
     microbatch), so that the model's pass is compiled once, whatever the trips; the
@@ -126,7 +135,14 @@ def _trips(
     `state` and, of the last trip, the mean loss, the aux stacked over the
     microbatches and the mean contributions per leaf. `shardings`: per leaf, the
     weight's `NamedSharding` or None; each running sum is laid out like its weight
-    (see `quax_tangents._core._layout`)."""
+    (see `quax_tangents._core._layout`). With `axis_name` (inside `jax.shard_map`),
+    the weights, the loss, the sums and the aux are typed as varying over that axis:
+    each device's own gradient and sums."""
+    vary = varying_over(axis_name)
+    # Each device's own gradient of the replicated weights: the marks' rules then
+    # give each device's factors, whose mean over the devices is taken after the
+    # loop. Without it JAX's AD would all-reduce every weight's gradient densely.
+    params = vary(params)
     paths = [
         jtu.keystr(p)
         for p, _ in jtu.tree_flatten_with_path(
@@ -204,13 +220,15 @@ def _trips(
             for n, (s, x, keep, add) in enumerate(zip(sums, parts, summed, into))
         ]
         put = lambda buffer, x: jax.lax.dynamic_update_index_in_dim(buffer, x, i, 0)  # noqa: E731
-        aux = jtu.tree_map(put, aux, one_aux)
-        rows = [
-            r if keep else jtu.tree_map(put, r, x)
-            for r, x, keep in zip(rows, parts, summed)
-        ]
+        aux = vary(jtu.tree_map(put, aux, one_aux))
+        rows = vary(
+            [
+                r if keep else jtu.tree_map(put, r, x)
+                for r, x, keep in zip(rows, parts, summed)
+            ]
+        )
         state = after(t, i == k - 1, state, sums)
-        return j + 1, weights, state, loss_sum + loss, sums, aux, rows
+        return j + 1, weights, state, vary(loss_sum + loss), vary(sums), aux, rows
 
     zeros = [
         constrain(jnp.zeros(s.shape, s.dtype), layout(n, s))
@@ -225,10 +243,10 @@ def _trips(
         jnp.int32(0),
         weights,
         state,
-        jnp.zeros(shapes[0].shape, shapes[0].dtype),
-        zeros,
-        jtu.tree_map(stacked, shapes[1]),
-        rows,
+        vary(jnp.zeros(shapes[0].shape, shapes[0].dtype)),
+        vary(zeros),
+        vary(jtu.tree_map(stacked, shapes[1])),
+        vary(rows),
     )
     _, _, state, loss_sum, sums, aux, rows = jax.lax.while_loop(
         lambda carry: carry[0] < trips * k, body, init
@@ -406,6 +424,7 @@ def accumulate_gradients(
     has_aux: bool = False,
     by_layer: bool = True,
     shardings: PyTree | None = None,
+    axis_name: AxisName = None,
 ) -> tuple[Any, PyTree]:
     """The loss and gradient of a batch split into `k` microbatches, inside one step,
     in the form [`quax_tangents.optax.projected`][] takes: a loop over the
@@ -470,6 +489,18 @@ def accumulate_gradients(
         factors are reduce-scattered into it, not all-reduced into a copy on every
         device. `None` (the default) leaves their layout to XLA, which replicates
         them. A leaf that `dims=` views as other matrices is left to XLA.
+    - `axis_name`: data parallel inside `jax.shard_map`, each device holding its
+        share of the batch (split into `k` microbatches on every device) and the
+        parameters and state replicated: the mesh axis (or tuple of axes) the
+        batch is split over. The loss and the gradients are then the whole
+        batch's, the same on every device: on a refresh step the sums are added up
+        over the devices before each step of the range finder (an all-reduce per
+        projected matrix, on refresh steps only), and the resulting small factors,
+        dense leaves and loss are averaged over the devices once, after the last
+        microbatch (`lax.pmean`: a projected weight sends its `(max(m, n), rank)`
+        factor, not its `m x n` gradient). `aux` stays each device's own. Inside
+        `jax.shard_map` without it, a batch or parameters that differ per device
+        are refused, with the axis named.
 
     **Returns:**
 
@@ -482,6 +513,8 @@ def accumulate_gradients(
         raise ValueError(f"`iters` must be a non-negative int, got {iters!r}.")
     if not isinstance(by_layer, bool):
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
+    check_axis_name(axis_name, shardings)
+    refuse_per_device((params, microbatches), axis_name)
     inner = find_state(state, _WHERE)
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)
     layouts = _leaf_shardings(shardings, treedef, plans, leaves)
@@ -533,7 +566,8 @@ def accumulate_gradients(
             for i in key_of
         ]
         written = in_place_per_matrix(
-            lambda mt, s: step(action, mt, s, tested=iters > 0), entries
+            lambda mt, s: step(action, mt, s, tested=iters > 0, axis_name=axis_name),
+            entries,
         )
         for i, (matrix, test) in zip(key_of, written):
             matrices[i], tests[i] = matrix, test
@@ -554,7 +588,11 @@ def accumulate_gradients(
         (matrices, tests),
         trips,
         _carried(leaves, shardings, treedef),
+        axis_name,
     )
+    if axis_name is not None:
+        loss = jax.lax.pmean(loss, axis_name)
+        factors = [mean_over_devices(f, axis_name) for f in factors]
     grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads

@@ -24,7 +24,7 @@ from .._core._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
 from ._clip import check_max_norm, clipping, scaled_by_clip
-from ._common import Filter, check_int
+from ._common import AxisName, Filter, check_int
 from ._decay import check_weight_decay, decayed_weights
 from ._galore_leaves import DimsSpec, LeafPlan
 from ._layerwise import layerwise
@@ -217,6 +217,7 @@ class GaLore(eqx.Module):
         microbatches: int = 1,
         has_aux: bool = False,
         shardings: PyTree | None = None,
+        axis_name: AxisName = None,
     ) -> Callable:
         """`loss_fn`'s value and the gradients `update` takes.
 
@@ -231,6 +232,10 @@ class GaLore(eqx.Module):
         - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
         - `shardings`: under FSDP, the parameters' `NamedSharding`s, as for
             `accumulate_gradients`.
+        - `axis_name`: data parallel inside `jax.shard_map` (the batch split over
+            this mesh axis, the parameters and state replicated): the loss and the
+            gradients of the whole batch on every device, averaged over the devices
+            as small factors, as for `accumulate_gradients`.
 
         **Returns:**
 
@@ -250,6 +255,7 @@ class GaLore(eqx.Module):
                 iters=self.iters,
                 has_aux=has_aux,
                 shardings=shardings,
+                axis_name=axis_name,
             )
 
         return value_and_grad

@@ -256,13 +256,32 @@ def _laid_out_as_given(step: Callable) -> Callable:
     return laid_out
 
 
-def step(action: Array, mt: tuple, sums: tuple, tested: bool) -> tuple:
+def _summed_over(axis_name: Any, step: Callable) -> Callable:
+    """`step` on the trip's sums added up over the devices of `axis_name` (data
+    parallel inside `jax.shard_map`): every device then finds the same basis and
+    projector, those of the whole batch. Inside the switch's branches, so that the
+    all-reduce runs only after a refresh's trips, never on a step that keeps the
+    projectors."""
+    if axis_name is None:
+        return step
+
+    def summed(mt: tuple, sums: tuple) -> tuple:
+        return step(mt, tuple(jax.lax.psum(s, axis_name) for s in sums))
+
+    return summed
+
+
+def step(
+    action: Array, mt: tuple, sums: tuple, tested: bool, axis_name: Any = None
+) -> tuple:
     """The step `action` (KEEP, BASIS, TRUNCATE or TESTS, the last only when
     `tested`: power iterations) on one matrix of the basis `M` and of the test
-    matrices `T` (or None), from the trip's sum `S`: the new `(M, T)`."""
-    branches = [_keep, _laid_out_as_given(_basis_or_truncate(action))]
+    matrices `T` (or None), from the trip's sum `S` (summed over the devices of
+    `axis_name` first, when given): the new `(M, T)`."""
+    over = lambda step: _summed_over(axis_name, _laid_out_as_given(step))  # noqa: E731
+    branches = [_keep, over(_basis_or_truncate(action))]
     index = jnp.where(action == KEEP, 0, 1)
     if tested:
-        branches.append(_laid_out_as_given(_tests))
+        branches.append(over(_tests))
         index = jnp.where(action == TESTS, 2, index)
     return jax.lax.switch(index, branches, mt, sums)

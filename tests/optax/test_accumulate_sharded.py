@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+import quax_tangents as qt
 import quax_tangents.optax as qto
 from quax_tangents._core._layout import constrain, factor_layout
 from tests.helpers import assert_close
@@ -269,3 +270,213 @@ def test_a_weight_spread_over_devices_is_not_laid_out_in_the_loop(axis_type):
     assert_close(got_loss, expected_loss)
     for name in params:
         assert_close(got[name], expected[name], factor=5)
+
+
+# ---------------------------------------------------------------------------------------
+# Data parallel: under `jax.jit`, and inside `jax.shard_map` with `axis_name`
+
+
+def _galore_step(loss, microbatches=2, axis_name=None, opt=None):
+    # By default 8-bit state, refresh every other step, one power iteration: every
+    # branch of the range finder runs.
+    if opt is None:
+        opt = qto.galore(rank=RANK, learning_rate=1e-2, refresh_every=2, iters=1)
+
+    def step(params, state, batch):
+        value, grads = opt.value_and_grad(
+            loss, microbatches=microbatches, axis_name=axis_name
+        )(params, state, batch)
+        updates, state = opt.update(grads, state, params)
+        return opt.apply(params, updates), state, value
+
+    return opt, step
+
+
+def _batch(rng):
+    return tuple(
+        jnp.asarray(rng.standard_normal((32, d)), jnp.float32) for d in (16, 8)
+    )
+
+
+def _assert_same_steps(step, expected_step, params, state, batch, steps=3):
+    got = expected = (params, state)
+    for _ in range(steps):  # refresh, keep, refresh
+        *got, got_loss = step(*got, batch)
+        *expected, expected_loss = expected_step(*expected, batch)
+        assert_close(got_loss, expected_loss)
+        for name in params:
+            assert_close(got[0][name], expected[0][name])
+
+
+@needs_devices
+def test_a_batch_sharded_under_jit_gives_the_one_device_steps():
+    # Replicated weights and state, the batch split over the devices by `jax.jit`.
+    rng = np.random.default_rng(1)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss)
+    batch = _batch(rng)
+    sharded = jax.device_put(batch, NamedSharding(_mesh(), P("data")))
+    compiled = jax.jit(step)
+    _assert_same_steps(
+        lambda p, s, b: compiled(p, s, sharded),
+        compiled,
+        params,
+        opt.init(params),
+        batch,
+    )
+
+
+def _data_parallel(step, mesh):
+    return jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())
+        )
+    )
+
+
+@needs_devices
+def test_inside_shard_map_axis_name_gives_the_one_device_steps():
+    # Each device takes 4 of the 32 examples in 2 microbatches; one device takes
+    # all 32 in 16 microbatches of the same size. With `axis_name` the projectors
+    # come from the whole batch's gradient on every device, and the state and the
+    # weights come out the same everywhere (`out_specs=P()` types them so).
+    rng = np.random.default_rng(4)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss, microbatches=2, axis_name="data")
+    _, whole = _galore_step(loss, microbatches=2 * DEVICES)
+    mesh = _mesh()
+    parallel = _data_parallel(step, mesh)
+    batch = _batch(rng)
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    _assert_same_steps(
+        lambda p, s, b: parallel(p, s, sharded),
+        jax.jit(whole),
+        params,
+        opt.init(params),
+        batch,
+    )
+
+
+@needs_devices
+def test_inside_shard_map_a_row_leaf_gives_the_one_device_steps():
+    # An embedding table chosen with `rows=`: each device's rows, gathered over the
+    # devices (`SparseRows.all_reduce`), give the whole batch's row gradient.
+    rng = np.random.default_rng(10)
+    params = {
+        "embed": jnp.asarray(rng.standard_normal((50, 16)), jnp.float32),
+        "w": jnp.asarray(rng.standard_normal((16, 40)), jnp.float32) * 0.3,
+    }
+
+    def loss(p, batch):
+        ids, y = batch
+        return jnp.mean((jnp.tanh(p["embed"][ids].mean(1) @ p["w"]) - y) ** 2)
+
+    opt = qto.galore(
+        rank=4,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=lambda p: {"embed": False, "w": True},
+        rows=lambda p: {"embed": True, "w": False},
+    )
+
+    mesh = _mesh()
+    batch = (
+        jnp.asarray(rng.integers(0, 50, (32, 6)), jnp.int32),
+        jnp.asarray(rng.standard_normal((32, 40)), jnp.float32),
+    )
+    sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    parallel = _data_parallel(_galore_step(loss, 2, "data", opt)[1], mesh)
+    _assert_same_steps(
+        lambda p, s, b: parallel(p, s, sharded),
+        jax.jit(_galore_step(loss, 2 * DEVICES, opt=opt)[1]),
+        params,
+        opt.init(params),
+        batch,
+    )
+
+
+@needs_devices
+def test_inside_shard_map_the_step_sends_small_factors_once():
+    # Outside the refresh's loop over matrices, the step's collectives run once per
+    # step, after the loop over microbatches: the factors `(max(m, n), rank)` per
+    # layer, the dense rest and the loss. A refresh all-reduces one matrix's sum at
+    # a time. No collective moves a projected weight's gradient.
+    rng = np.random.default_rng(5)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss, microbatches=2, axis_name="data")
+    mesh = _mesh()
+    batch = jax.device_put(_batch(rng), NamedSharding(mesh, P("data")))
+    compiled = _data_parallel(step, mesh).lower(params, opt.init(params), batch)
+    found = qt.hlo.collectives(compiled.compile())
+    per_step = [c for c in found if c.count == 1]
+    refresh = [c for c in found if c.count != 1]
+    assert per_step and refresh, found
+    assert all(c.operand_shapes == ("f32[40,8]",) for c in refresh), refresh
+    factors = 2 * 3 * 40 * RANK + 16 * 8  # up's and down's factors, the dense head
+    sent = sum(c.operand_bytes for c in per_step)
+    assert factors * 4 <= sent <= factors * 4 + 64, per_step
+    shapes = [s for c in found for s in c.operand_shapes]
+    assert not any(s.startswith(("f32[3,16,40]", "f32[3,40,16]")) for s in shapes)
+
+
+@needs_devices
+@pytest.mark.parametrize("where", ["batch", "params"])
+def test_inside_shard_map_without_axis_name_values_that_differ_are_refused(where):
+    # Each device would find its own projectors from its own share: refused with
+    # the axis named and `axis_name` offered, not JAX's carry-type error.
+    rng = np.random.default_rng(2)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss)
+    mesh = _mesh()
+    inputs = [params, opt.init(params), _batch(rng)]
+    specs = [P(), P(), P("data")]
+    select = lambda p: p  # noqa: E731
+    if where == "params":
+        # Weights given per device: one copy per device, stacked.
+        inputs[0] = jax.tree.map(lambda x: jnp.stack([x] * DEVICES), params)
+        specs = [P("data"), P(), P()]
+        select = lambda p: jax.tree.map(lambda x: x[0], p)  # noqa: E731
+    body = jax.shard_map(
+        lambda p, s, b: step(select(p), s, b)[2],
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=P(),
+    )
+    inputs = [
+        jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(inputs, specs)
+    ]
+    with pytest.raises(ValueError, match=r"'data'.*jax\.shard_map.*axis_name='data'"):
+        jax.jit(body)(*inputs)
+
+
+def test_an_axis_name_outside_shard_map_is_refused_by_name():
+    params, loss, _ = _model(np.random.default_rng(6))
+    opt, step = _galore_step(loss, axis_name="data")
+    with pytest.raises(NameError, match="axis_name='data'.*jax.shard_map"):
+        jax.eval_shape(step, params, opt.init(params), _batch(np.random.default_rng(7)))
+
+
+def test_axis_name_and_shardings_together_are_refused():
+    params, loss, tx = _model(np.random.default_rng(8))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    with pytest.raises(ValueError, match="`axis_name`.*`shardings`.*not both"):
+        qto.accumulate_gradients(
+            loss,
+            params,
+            tx.init(params),
+            jax.tree.map(lambda x: x[None], _batch(np.random.default_rng(9))),
+            shardings=shardings,
+            axis_name="data",
+        )
+
+
+@needs_devices
+def test_inside_shard_map_a_batch_the_same_on_every_device_runs():
+    # Nothing differs per device: the step runs as on one device, without
+    # `axis_name`.
+    rng = np.random.default_rng(3)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss)
+    body = jax.jit(jax.shard_map(step, mesh=_mesh(), in_specs=P(), out_specs=P()))
+    _assert_same_steps(body, jax.jit(step), params, opt.init(params), _batch(rng), 1)
