@@ -46,14 +46,14 @@ from .._autodiff import _ad
 from .._core._devices import AxisName
 from .._core._layout import constrain, explicit_sharding, is_explicit
 from .._core._unchecked import unchecked
+from .._distributed._collective import GatherSum, all_reduce
 from .._marks._sources import PHASE_GIVEN
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
 from ._data_parallel import (
-    WHERE,
+    WHERE as _WHERE,
     check_axis_name,
-    mean_over_devices,
     refuse_per_device,
     varying_over,
 )
@@ -69,9 +69,6 @@ from ._refresh import (
     step,
     step_after,
 )
-
-
-_WHERE = WHERE
 
 
 def _test_keys(plan: LeafPlan, key: Any) -> Array:
@@ -591,8 +588,9 @@ def accumulate_gradients(
         axis_name,
     )
     if axis_name is not None:
-        loss = jax.lax.pmean(loss, axis_name)
-        factors = [mean_over_devices(f, axis_name) for f in factors]
+        # Exact, and compressed values stay compressed: a row leaf's rows are
+        # gathered from every device.
+        loss, factors = all_reduce((loss, factors), axis_name, GatherSum(), mean=True)
     grads = _finish(plans, leaves, matrices, factors)
     grads = jtu.tree_unflatten(treedef, grads)
     return ((loss, aux) if has_aux else loss), grads

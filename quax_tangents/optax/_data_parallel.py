@@ -3,17 +3,15 @@ each device's own gradient of the replicated weights, its sums typed as varying
 over the axis, the mean over the devices taken once per step; and the refusal of
 values that differ per device along an axis not named."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
-import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._core._compat import check_vma_enabled
 from .._core._devices import AxisName, axes_of, axis_is_bound, device_varying
 from .._core._sharding import varying_axes
-from .._types.rows import SparseRows
 
 
 WHERE = "`quax_tangents.optax.accumulate_gradients`"
@@ -48,20 +46,15 @@ def varying_over(axis_name: AxisName) -> Callable[[PyTree], PyTree]:
     return lambda tree: device_varying(tree, axis_name)
 
 
-def mean_over_devices(x: Any, axis_name: AxisName) -> Any:
-    """A leaf's mean gradient over the devices: a row leaf's rows gathered (its
-    `all_reduce`, which stays sparse), any other array (a projected leaf's small
-    factor, a dense gradient) averaged by `lax.pmean`."""
-    if x is None:
-        return None
-    if isinstance(x, SparseRows):
-        return x.all_reduce(axis_name, mean=True)
-    return jax.lax.pmean(x, axis_name)
-
-
 def check_axis_name(axis_name: AxisName, shardings: Any) -> None:
     if axis_name is None:
         return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not all(isinstance(name, Hashable) for name in names):
+        raise TypeError(
+            f"{WHERE}: `axis_name` must be a mesh axis name or a tuple of them, got "
+            f"{axis_name!r}."
+        )
     if shardings is not None:
         raise ValueError(
             f"{WHERE}: pass `axis_name` (data parallel inside `jax.shard_map`) or "

@@ -456,6 +456,15 @@ def test_an_axis_name_outside_shard_map_is_refused_by_name():
         jax.eval_shape(step, params, opt.init(params), _batch(np.random.default_rng(7)))
 
 
+def test_an_axis_name_that_is_no_name_is_refused_by_name():
+    params, loss, _ = _model(np.random.default_rng(11))
+    opt, step = _galore_step(loss, axis_name=["data"])
+    with pytest.raises(TypeError, match="`axis_name` must be a mesh axis name"):
+        jax.eval_shape(
+            step, params, opt.init(params), _batch(np.random.default_rng(12))
+        )
+
+
 def test_axis_name_and_shardings_together_are_refused():
     params, loss, tx = _model(np.random.default_rng(8))
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
