@@ -32,6 +32,20 @@ def explicit_axes() -> bool:
     return not mesh.empty and bool(mesh._any_axis_explicit)
 
 
+def on_current_mesh(x: Array) -> Array:
+    """`x` typed on the current mesh, replicated, where it is typed on no mesh (an
+    array put on one device before `jax.set_mesh`: weights made before the mesh,
+    say) and the mesh has explicit axes; `x` itself otherwise. What is computed
+    under such a mesh is typed on it (`jnp.zeros_like` included), and a loop's carry
+    or an in-place update refuses to mix the two."""
+    if not explicit_axes():
+        return x
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or not mesh.empty:
+        return x
+    return jax.sharding.reshard(x, P(*(None,) * jnp.ndim(x)))
+
+
 def spec_entries(x: Any) -> tuple:
     """The entries of `x`'s sharding spec, one per dim (`None` where unsharded or
     when shardings are not types)."""

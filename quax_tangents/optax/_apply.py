@@ -12,7 +12,7 @@ from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
 from .._core._fallback import record_densification
-from .._core._sharding import factors_like, matmul
+from .._core._sharding import factors_like, matmul, on_current_mesh
 from .._differentiable import is_differentiable_instance, move
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows, add_rows
@@ -53,7 +53,8 @@ def _apply_low_rank(param: Array, update: LowRank, keep: Array | None) -> Array:
     if view.ndim == 2:
         new = _add_product(view, update.left, update.right, keep)
         return new.reshape(param.shape)
-    matrices = view.reshape(-1, *view.shape[-2:])
+    # The loop writes each product into its slice: both typed on the same mesh.
+    matrices = on_current_mesh(view.reshape(-1, *view.shape[-2:]))
     lefts = update.left.reshape(-1, *update.left.shape[-2:])
     rights = update.right.reshape(-1, *update.right.shape[-2:])
 

@@ -326,6 +326,28 @@ def test_a_batch_sharded_under_jit_gives_the_one_device_steps():
     )
 
 
+@needs_devices
+@pytest.mark.parametrize("batch_sharded", [False, True])
+def test_weights_made_before_an_explicit_mesh_give_the_one_device_steps(batch_sharded):
+    # JAX's default mesh axes are explicit. Weights put on one device before
+    # `jax.set_mesh` are typed on no mesh, what the step computes on the mesh.
+    rng = np.random.default_rng(2)
+    params, loss, _ = _model(rng)
+    opt, step = _galore_step(loss)
+    batch = _batch(rng)
+    compiled = jax.jit(step)
+    with jax.set_mesh(_mesh(jax.sharding.AxisType.Explicit)):
+        given = jax.device_put(batch, P("data")) if batch_sharded else batch
+        on_mesh = jax.jit(step)
+        _assert_same_steps(
+            lambda p, s, b: on_mesh(p, s, given),
+            compiled,
+            params,
+            opt.init(params),
+            batch,
+        )
+
+
 def _data_parallel(step, mesh):
     return jax.jit(
         jax.shard_map(

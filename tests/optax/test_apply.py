@@ -189,3 +189,22 @@ def test_rows_sharded_along_the_stored_rows_added_into_a_sharded_table(decay):
         applied = jax.jit(qto.apply_updates)(shard(table), update)
     np.testing.assert_array_equal(applied, table * keep + qt.materialise(rows))
     assert jax.typeof(applied).sharding.spec == P("data", None)
+
+
+@skip_without_devices(2)
+def test_a_stack_made_before_an_explicit_mesh_takes_factors_typed_on_it():
+    # Weights put on one device before `jax.set_mesh` are typed on no mesh; what the
+    # step computes under the mesh (the factors here) is typed on it. Adding the
+    # factors' product into each matrix of the stack in place mixes the two.
+    rng = np.random.default_rng(3)
+    stack = jnp.asarray(rng.standard_normal((3, 6, 5)), jnp.float32)
+    left = rng.standard_normal((3, 6, 2))
+    right = rng.standard_normal((3, 5, 2))
+    mesh = jax.make_mesh(
+        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    with jax.set_mesh(mesh):
+        update = qt.LowRank(jnp.asarray(left, jnp.float32), jnp.asarray(right))
+        applied = jax.jit(qto.apply_updates)(stack, update)
+    expected = stack + np.einsum("lmr,lnr->lmn", left, right)
+    assert_close(applied, expected)
