@@ -16,7 +16,7 @@ import quax
 from jaxtyping import Array, ArrayLike, PyTree
 from quax.examples.zero import Zero
 
-from ._devices import dense_all_reduce
+from ._devices import dense_all_reduce, varying_alike
 from ._fallback import record_densification
 from ._guard import GUARD_MESSAGE, guard, is_guard
 from ._lax import add_any_p
@@ -297,7 +297,19 @@ class CompressedArray(quax.ArrayValue, metaclass=_CompressedMeta):
     def default(
         primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
     ) -> Any:
-        return densify(primitive, values, params, reason="no rule for these operands")
+        fix = (
+            _SUM_OVER_DEVICES if primitive.name in ("psum", "psum_invariant") else None
+        )
+        return densify(
+            primitive, values, params, reason="no rule for these operands", fix=fix
+        )
+
+
+# What a user who sums a compressed value over devices with `lax.psum` can do instead.
+_SUM_OVER_DEVICES = (
+    "`quax_tangents.all_reduce(x, axis_name)` sums it over the devices by sending "
+    "its compressed fields."
+)
 
 
 def install_guard(value: CompressedArray) -> None:
@@ -394,7 +406,7 @@ def densify(
     )
     record_densification(primitive.name, names, reason, fix)
     arrays = [v.materialise() if isinstance(v, quax.Value) else v for v in values]
-    return primitive.bind(*arrays, **params)
+    return primitive.bind(*varying_alike(*arrays), **params)
 
 
 def materialise_values(tree: PyTree) -> PyTree:

@@ -47,6 +47,20 @@ def vary_leaf(x: Any, axes: tuple[Hashable, ...]) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def varying_alike(*arrays: Any) -> list[Any]:
+    """`arrays`, each cast varying over every mesh axis that any of them varies over
+    (`pvary`), as JAX's own `lax.add` and friends cast before binding: a primitive
+    bound directly on a device-varying array and a replicated one is refused under
+    `check_vma` (inside `jax.shard_map`). Unchanged where none varies."""
+    varying = set()
+    for x in arrays:
+        varying.update(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()))
+    if not varying:
+        return list(arrays)
+    axes = tuple(sorted(varying, key=str))
+    return [vary_leaf(x, axes) for x in arrays]
+
+
 def device_varying(tree: PyTree, axis_name: AxisName) -> PyTree:
     """Marks every array of `tree` as varying over `axis_name` (`lax.pcast(...,
     to="varying")`, that is `pvary`), leaving arrays that already vary unchanged.

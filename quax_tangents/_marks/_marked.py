@@ -75,7 +75,8 @@ class Marked(quax.ArrayValue):
             shape = tuple(canonical[p] for p in full_perm(self.view, len(shape) - 2))
         elif self.transposed:
             shape = shape[:-2] + shape[-2:][::-1]
-        return jax.core.ShapedArray(shape, self.compute_dtype or self.array.dtype)
+        dtype = self.compute_dtype or self.array.dtype
+        return _sharding.varying_type(shape, dtype, self.array)
 
     def materialise(self) -> Array:
         return seen(self.array, self.transposed, self.compute_dtype, self.view)

@@ -37,6 +37,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 from .._core._base import CompressedArray
 from .._core._registry import rule
+from .._core._sharding import varying_type
 from .._core._unchecked import unchecked
 from .._types._primitives import define_batched
 from .._types.lowrank import LowRank
@@ -53,7 +54,8 @@ class StoredView(CompressedArray):
     stored: tuple[int, ...] = eqx.field(static=True)
 
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.stored, self.matrix.dtype)
+        # Inside `jax.shard_map`, varying where the matrix does.
+        return varying_type(self.stored, self.matrix.dtype, self.matrix.aval())
 
     def materialise(self) -> Array:
         return self.matrix.materialise().reshape(self.stored)

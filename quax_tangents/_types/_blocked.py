@@ -25,6 +25,7 @@ from .._core import _validate
 from .._core._base import CompressedArray, densify
 from .._core._devices import axis_size, gather
 from .._core._registry import rule
+from .._core._sharding import varying_type
 from .._core._unchecked import unchecked
 
 
@@ -203,9 +204,9 @@ class BlockedArray(CompressedArray):
         return self._payload.ndim - 2
 
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(
-            (*self._payload.shape[:-2], *self.event_shape), self.value_dtype
-        )
+        shape = (*self._payload.shape[:-2], *self.event_shape)
+        # Inside `jax.shard_map`, varying where its blocks or their statistics do.
+        return varying_type(shape, self.value_dtype, self._payload, self._stats)
 
     # --- validation -------------------------------------------------------------
 

@@ -22,10 +22,11 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import _validate
 from .._core._base import ChunkCompressor, CompressedArray, densify, install_guard
-from .._core._devices import axis_size, gather_along
+from .._core._devices import axis_size, gather_along, varying_alike
 from .._core._fallback import record_dense_result, record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
+from .._core._sharding import varying_type
 from . import _flat_index as _ix
 
 
@@ -134,9 +135,8 @@ class Sparse(CompressedArray):
         return self.indices.ndim - 1
 
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(
-            self.indices.shape[:-1] + self.event_shape, self.values.dtype
-        )
+        shape = self.indices.shape[:-1] + self.event_shape  # varying as its fields
+        return varying_type(shape, self.values.dtype, self.indices, self.values)
 
     def materialise(self) -> Array:
         return _materialise(self)
@@ -442,7 +442,7 @@ def _mul_dense(s: Sparse, d: ArrayLike, **params: Any) -> Sparse | Array:
         return densify(jax.lax.mul_p, operands, params, reason=why)
     d = jnp.asarray(d)
     if d.ndim == 0:
-        values = jax.lax.mul_p.bind(s.values, d, **params)
+        values = jax.lax.mul_p.bind(*varying_alike(s.values, d), **params)
         return Sparse._build(s.indices, values, s.event_shape)
     s_shape = s.shape if s.ndim else (1,) * d.ndim
     spread = _size([d.shape[a] for a in range(d.ndim) if s_shape[a] == 1])

@@ -172,8 +172,8 @@ def test_all_reduce_rejects_a_method_for_another_type():
 @needs_devices
 def test_lax_psum_under_quax_with_check_vma():
     """A LowRank's type says where its factors vary, so `lax.psum` of it (bound as
-    `psum_invariant`) is the exact `all_reduce`. Types whose values do not carry
-    varying axes still raise: the dense result's type contradicts the value's."""
+    `psum_invariant`) is the exact `all_reduce`. The other types have no rule for it:
+    the dense sum, counted, with `all_reduce` named in the fallback's message."""
     xs = _per_device_matrices()
 
     def lowrank_body(x):
@@ -188,7 +188,12 @@ def test_lax_psum_under_quax_with_check_vma():
     def sparse_body(x):
         return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.top_k(x[0], 7))
 
-    with qt.fallback("silent"), pytest.raises(ValueError, match="pvary"):
+    with qt.fallback("silent"):
+        dense = on_mesh(sparse_body, P(AXIS), P())(split(xs))
+    expected = sum(qt.materialise(qt.top_k(x, 7)) for x in xs)
+    assert_close(dense, expected)
+    assert qt.fallback_counts() == {("psum_invariant", "Sparse"): 1}
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="all_reduce"):
         on_mesh(sparse_body, P(AXIS), P())(split(xs))
 
 
