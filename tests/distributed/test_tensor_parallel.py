@@ -254,7 +254,11 @@ def test_galore_trains_the_scanned_llama_on_a_data_model_mesh(mesh_shape, microb
     losses, grads, params = _train(mesh_shape, microbatches)
     # One reference for both: microbatches give the batch's gradient, to rounding.
     expected_losses, expected_grads, expected = _reference()
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    # The first loss is of the same weights; the later ones of weights that Adam
+    # moved, which differ as the parameters below do (about 2e-4 of the loss with
+    # JAX 0.10.2's layouts, 1e-5 with later ones).
+    np.testing.assert_allclose(losses[0], expected_losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-3)
     assert losses[-1] < losses[0]
     # The last step's gradients (after a refresh) agree closely; the parameters
     # less so: Adam moves an entry whose normalised gradient is near zero by up to
