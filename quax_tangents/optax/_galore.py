@@ -186,6 +186,8 @@ class GaLore(eqx.Module):
             is_leaf=lambda x: isinstance(x, LeafPlan),
         )
         if not any(isinstance(plan, LeafPlan) for plan in plans):
+            if self.project is None and self.rows is None and self.dims is None:
+                raise ValueError(_rank_too_large(params, self.rank))
             raise ValueError(
                 "`qto.galore`: `project=` (and `rows=`) chose no leaf of `params`, so "
                 "no gradient would be projected. Pass a tree of bools with the "
@@ -440,3 +442,21 @@ def galore(
     else:
         check_step_sign(base, learning_rate, _WHERE)
     return opt
+
+
+def _rank_too_large(params: PyTree, rank: int) -> str:
+    """The error of `project=None` that projects nothing: no matrix's smaller side
+    exceeds `rank`."""
+    sides = [
+        min(jnp.shape(x)[-2:]) for x in jax.tree.leaves(params) if jnp.ndim(x) >= 2
+    ]
+    largest = (
+        f"the largest smaller side of a leaf of `params` is {max(sides)}"
+        if sides
+        else "`params` has no leaf of 2 dims or more"
+    )
+    return (
+        f"`qto.galore`: with `project=None`, a leaf is projected when its smaller "
+        f"side exceeds `rank={rank}`, and {largest}, so no gradient would be "
+        "projected. Pass a smaller `rank`."
+    )

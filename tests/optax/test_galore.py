@@ -280,6 +280,14 @@ def test_a_selector_that_chooses_no_leaf_is_refused_at_init():
         opt.init(_params())
 
 
+def test_a_rank_that_no_matrix_exceeds_is_refused_naming_the_largest_side():
+    params = _params()
+    side = max(min(x.shape[-2:]) for x in jax.tree.leaves(params) if x.ndim >= 2)
+    opt = qto.galore(rank=side, learning_rate=1e-2)
+    with pytest.raises(ValueError, match=rf"`rank={side}`.* is {side}.*smaller `rank`"):
+        opt.init(params)
+
+
 def test_a_batch_leaf_without_a_batch_dim_is_named():
     params = _params()
     state = OPT.init(params)
