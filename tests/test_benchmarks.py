@@ -23,8 +23,12 @@ RESULTS = BENCHMARKS / "results"
 
 
 def _run_quick(script: str, out: pathlib.Path, *args: str) -> str:
+    """The results a script's quick run writes, which name the command that made
+    them."""
     run_script(BENCHMARKS / script, "--quick", "--out", str(out), *args)
-    return out.read_text()
+    text = out.read_text()
+    assert f"{script} --quick --out" in text, text
+    return text
 
 
 def test_script_names_cannot_shadow_a_module():
@@ -100,7 +104,7 @@ def test_committed_jvp_verdicts_follow_their_values():
 @pytest.mark.slow
 def test_collective_benchmark_quick(tmp_path):
     text = _run_quick("bench_collective.py", tmp_path / "collective.md")
-    assert "bench_collective.py --quick --out" in text and "| powersgd-r4 |" in text
+    assert "| powersgd-r4 |" in text
     assert (
         "| bytes per matrix per round = r (m + n) itemsize | every all-reduce operand "
         "as predicted (tables below) | met |"
@@ -141,7 +145,6 @@ def test_compression_benchmark_quick(tmp_path):
     # The script exits non-zero when a storage target is missed or a documented
     # error bound does not hold, which `run_script` turns into a failure.
     text = _run_quick("bench_compression.py", tmp_path / "compression.md")
-    assert "bench_compression.py --quick --out" in text
     # Storage is a function of shapes alone: every target row, and every bound.
     targets = re.findall(
         r"^\| [^|]+ \| [^|]+ \| >= [0-9.]+x \| [0-9.]+x \| (\S+) \|$", text, re.M
@@ -155,7 +158,6 @@ def test_schedule_benchmark_quick(tmp_path):
     # The script exits non-zero when the default receives more bytes than a schedule
     # it could have chosen, more than dense, or other than predicted.
     text = _run_quick("bench_schedule.py", tmp_path / "schedule.md")
-    assert "bench_schedule.py --quick --out" in text
     rows = re.findall(r"^\| [^|]+ \| [248] \|.*\| (\S+) \|$", text, re.M)
     assert rows == ["ok"] * 15, rows
 
@@ -166,7 +168,6 @@ def test_encoders_benchmark_quick(tmp_path):
     # (bit for bit, encoded and decoded), which `run_script` turns into a failure.
     # Timings are not checked: the machine is shared and the sizes are tiny.
     text = _run_quick("bench_encoders.py", tmp_path / "encoders.md")
-    assert "bench_encoders.py --quick --out" in text
     rows = re.findall(
         r"^\| ([^|]+): (encode|decode) \| 64 x 64 \| [0-9.]+ \| [0-9.]+ \| "
         r"[0-9.]+x \| [0-9.]+ - [0-9.]+ \| \(smoke run\) \|$",
@@ -196,7 +197,6 @@ def test_by_layer_benchmark_quick(tmp_path, path):
 @pytest.mark.slow
 def test_eigh_benchmark_quick(tmp_path):
     text = _run_quick("bench_eigh.py", tmp_path / "eigh.md")
-    assert "bench_eigh.py --quick --out" in text
     rows = re.findall(r"^\| (\d+) \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)
     assert rows == ["132", "257"], text
 
@@ -207,7 +207,6 @@ def test_data_parallel_benchmark_quick(tmp_path):
     # `shard_map` receives fewer bytes per step than either Adam, and fewer than
     # itself under `jit`, whose partitioner all-reduces in every microbatch.
     text = _run_quick("bench_data_parallel.py", tmp_path / "dp.md")
-    assert "bench_data_parallel.py --quick --out" in text
     rows = re.findall(
         r"^\| 60M \| `([\w ,_-]+)` \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+) \|", text, re.M
     )
@@ -228,7 +227,6 @@ def test_loop_layouts_benchmark_quick(tmp_path):
     # On the CPU, small shapes: every arm compiles, and its whole-stack copies are
     # counted (XLA:CPU copies some; the TPU figures are the results files').
     text = _run_quick("bench_loop_layouts.py", tmp_path / "loops.md")
-    assert "bench_loop_layouts.py --quick --out" in text
     rows = re.findall(r"^\| ([\w +,_-]+) \| ([0-9.]+) \| (\d+) \|$", text, re.M)
     assert [row[0] for row in rows] == [
         "no loop",
@@ -245,7 +243,6 @@ def test_compile_benchmark_quick(tmp_path):
     # On the CPU: each arm's step is lowered and compiled under the profiler, and
     # the compiler's own events give its phases and the kernels it generated.
     text = _run_quick("bench_compile.py", tmp_path / "compile.md")
-    assert "bench_compile.py --quick --out" in text
     rows = re.findall(
         r"^\| `([\w-]+)` \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| "
         r"([0-9.]+) \| n/a \| (\d+) \|",
@@ -263,7 +260,6 @@ def test_compile_benchmark_quick(tmp_path):
 @pytest.mark.slow
 def test_transformer_benchmark_quick(tmp_path):
     text = _run_quick("bench_transformer.py", tmp_path / "transformer.md")
-    assert "bench_transformer.py --quick --out" in text
     verdicts = re.findall(
         r"^\| [^|]+ \| (projected[^|]*) \| [^|]+ \| (\w+) \|$", text, re.M
     )
@@ -278,7 +274,6 @@ def test_scale_benchmark_quick(tmp_path):
     # the order of the two optimiser states (bytes from shapes) are checked. (At
     # 60M the totals are within 1% of each other: the embedding and head dominate.)
     text = _run_quick("bench_scale.py", tmp_path / "scale.md")
-    assert "bench_scale.py --quick --out" in text
     assert "not a GPU's measured peak" in text
     rows = re.findall(
         r"^\| 60M \| \d+M \| ([a-z0-9-]+) \|(?: [0-9.]+ \|){4} \*\*([0-9.]+)\*\* "
@@ -333,7 +328,6 @@ def test_scale_benchmark_refuses_compiler_layouts_off_a_tpu_chip(tmp_path):
 @pytest.mark.slow
 def test_oversample_benchmark_quick(tmp_path):
     text = _run_quick("bench_oversample.py", tmp_path / "oversample.md")
-    assert "bench_oversample.py --quick --out" in text
     rows = [line for line in text.splitlines() if line.startswith("| 64 x 128 |")]
     assert len(rows) == 4  # two spectra, 0 and 1 power iterations
     for row in rows:
@@ -348,7 +342,6 @@ def test_device_benchmark_quick(tmp_path):
     # On the CPU: each arm's step compiles and runs in a process of its own, the
     # compile time and the memory estimate are recorded, and the loss is finite.
     text = _run_quick("bench_device.py", tmp_path / "device.md")
-    assert "bench_device.py --quick --out" in text
     rows = [line for line in text.splitlines() if line.startswith("| 60M |")]
     assert len(rows) == 2, text
     for row in rows:
