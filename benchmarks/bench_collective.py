@@ -99,7 +99,10 @@ def two_phase_methods() -> dict:
             method=qt.TwoPhase(),
         ),
         "sign-ef-two-phase": lambda: qto.compress_updates(
-            qt.sign_norm, error_feedback="ef", axis_name=axis, method=qt.TwoPhase()
+            qt.sign_norm,
+            error_feedback=qto.ErrorFeedback(),
+            axis_name=axis,
+            method=qt.TwoPhase(),
         ),
     }
 

@@ -156,7 +156,7 @@ def methods() -> dict[str, Callable[[], optax.GradientTransformation]]:
         # collective benchmark compares separately.
         "top-k-1%-ef": lambda: qto.compress_updates(
             lambda g: qt.top_k(g, 0.01),
-            error_feedback="ef",
+            error_feedback=qto.ErrorFeedback(),
             axis_name=AXIS,
             method=qt.GatherSum(),
         ),
@@ -167,7 +167,10 @@ def methods() -> dict[str, Callable[[], optax.GradientTransformation]]:
             method=qt.GatherSum(),
         ),
         "sign-ef": lambda: qto.compress_updates(
-            qt.sign_norm, error_feedback="ef", axis_name=AXIS, method=qt.GatherSum()
+            qt.sign_norm,
+            error_feedback=qto.ErrorFeedback(),
+            axis_name=AXIS,
+            method=qt.GatherSum(),
         ),
     }
 

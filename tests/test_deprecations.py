@@ -108,3 +108,23 @@ def test_a_filter_written_per_leaf_still_selects_leaf_by_leaf():
     expected = whole.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(expected)
     assert state.error["v"] is None and state.error["w"] is not None
+
+
+@pytest.mark.parametrize("old, new", [("ef", "ErrorFeedback"), ("ef21", "EF21")])
+def test_error_feedback_names_are_strategies(old, new):
+    qto = pytest.importorskip("quax_tangents.optax", reason="needs the `optax` extra")
+    strategy = getattr(qto, new)()
+    with _warns(f"compress_updates(error_feedback=qto.{new}())"):
+        deprecated = qto.compress_updates(qt.sign_norm, error_feedback=old)
+    current = qto.compress_updates(qt.sign_norm, error_feedback=strategy)
+    assert _init_structure(deprecated) == _init_structure(current)
+    # The same numbers, step after step.
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+    grads = {"w": jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32), "b": jnp.ones(32)}
+    results = []
+    for tx in (deprecated, current):
+        state = tx.init(params)
+        for _ in range(2):
+            updates, state = tx.update(grads, state)
+        results.append((updates, state))
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, *results))

@@ -46,7 +46,9 @@ from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._apply import apply_updates as apply_updates, lift as lift
 from ._clip import clip_by_global_norm as clip_by_global_norm
 from ._compress import (
+    EF21 as EF21,
     CompressState as CompressState,
+    ErrorFeedback as ErrorFeedback,
     compress_updates as compress_updates,
 )
 from ._decay import Decayed as Decayed
@@ -69,8 +71,10 @@ from ._specs import partition_specs as partition_specs
 
 
 __all__ = [
+    "EF21",
     "CompressState",
     "Decayed",
+    "ErrorFeedback",
     "GaLore",
     "LayerByLayerWarning",
     "LogQuantized",

@@ -5,6 +5,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -52,24 +53,52 @@ from ._errors import (
 )
 
 
-ErrorFeedback = Literal["ef", "ef21"] | None
 ScheduleName = Literal["auto", "gather", "two_phase"]
+
+
+class ErrorFeedback(eqx.Module):
+    """Error feedback (EF; Seide et al. 2014, Stich et al. 2018, Karimireddy et al.
+    2019), a strategy for [`quax_tangents.optax.compress_updates`][]: compress
+    `v = g + e`, emit `C(v)`, carry `e <- v - C(v)`.
+
+    The running sum of the emitted updates equals the running sum of the gradients
+    minus the current error, so a biased compressor (top-k, sign) loses nothing for
+    good. The error is per device and of the update's size (`error_dtype="int8"`
+    stores it as int8 codes).
+    """
+
+
+class EF21(eqx.Module):
+    """EF21 (Richtarik et al. 2021), a strategy for
+    [`quax_tangents.optax.compress_updates`][]: keep an estimate `h` of the
+    gradient, compress the change `C(g - h)`, set `h <- h + C(g - h)` and emit `h`
+    (with an `axis_name`, the mean of the devices' estimates, kept incrementally
+    from the compressed changes, which the devices exchange).
+
+    The estimate converges to a fixed gradient, and the state holds the estimate
+    (per device) and, across devices, its mean.
+    """
+
+
+Feedback = ErrorFeedback | EF21 | None
+_FEEDBACKS = "`qto.ErrorFeedback()`, `qto.EF21()` or None"
+_FEEDBACK_OF_NAME = {"ef": ErrorFeedback, "ef21": EF21}
 
 
 class CompressState(NamedTuple):
     """State of [`quax_tangents.optax.compress_updates`][]. Each field holds one
     entry per compressed leaf and `None` for leaves that pass through uncompressed.
 
-    - `error`: with `error_feedback="ef"`, what compression dropped so far, added to
+    - `error`: with `qto.ErrorFeedback()`, what compression dropped so far, added to
         the next update before compressing: an array of the update's shape and dtype,
         or with `error_dtype="int8"` a `Quantized` of it. Per device.
-    - `estimate`: with `"ef21"`, this device's running estimate of its gradient.
+    - `estimate`: with `qto.EF21()`, this device's running estimate of its gradient.
         Per device.
-    - `aggregate`: with `"ef21"` and an `axis_name`, the mean of the estimates over
+    - `aggregate`: with `qto.EF21()` and an `axis_name`, the mean of the estimates over
         devices, which every device keeps identically.
-    - `server_error`: with `method=qt.TwoPhase()` (or `qt.Cheapest()`) and `"ef"`,
-        what the second compression dropped from this device's chunk of the mean: float32 `(chunk,)`, about
-        `1/n` of the leaf. Per device.
+    - `server_error`: with `method=qt.TwoPhase()` (or `qt.Cheapest()`) and
+        `qto.ErrorFeedback()`, what the second compression dropped from this device's
+        chunk of the mean: float32 `(chunk,)`, about `1/n` of the leaf. Per device.
     """
 
     error: PyTree
@@ -81,7 +110,7 @@ class CompressState(NamedTuple):
 def compress_updates(
     compressor: Callable[[Array], CompressedArray],
     *,
-    error_feedback: ErrorFeedback = "ef",
+    error_feedback: Feedback | str = ErrorFeedback(),  # noqa: B008 (immutable)
     min_compression_rate: float = 2.0,
     filter: Filter = None,
     axis_name: AxisName = None,
@@ -100,14 +129,16 @@ def compress_updates(
     their shape) are skipped the same way. Other leaves pass through (averaged over
     devices with `axis_name`).
 
-    Error feedback, per compressed leaf `g` with compressor `C`:
+    Error feedback (`error_feedback`), per compressed leaf `g` with compressor `C`:
 
-    - `"ef"` (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019): compress
-        `v = g + e`, emit `C(v)`, carry `e <- v - C(v)`. The running sum of emitted
-        updates equals the running sum of `g` minus the current `e`.
-    - `"ef21"` (Richtarik et al. 2021): keep an estimate `h`, compress the change
-        `C(g - h)`, set `h <- h + C(g - h)`, emit `h` (with `axis_name`, the mean of
-        the devices' estimates, kept incrementally from the compressed changes).
+    - [`quax_tangents.optax.ErrorFeedback`][]`()`, the default (Seide et al. 2014;
+        Stich et al. 2018; Karimireddy et al. 2019): compress `v = g + e`, emit
+        `C(v)`, carry `e <- v - C(v)`. The running sum of emitted updates equals the
+        running sum of `g` minus the current `e`.
+    - [`quax_tangents.optax.EF21`][]`()` (Richtarik et al. 2021): keep an estimate
+        `h`, compress the change `C(g - h)`, set `h <- h + C(g - h)`, emit `h` (with
+        `axis_name`, the mean of the devices' estimates, kept incrementally from the
+        compressed changes).
     - `None`: emit `C(g)`; biased compressors then lose what they drop for good.
 
     With `axis_name`, call `update` inside `jax.shard_map`: each device compresses its
@@ -119,17 +150,17 @@ def compress_updates(
     - `qt.TwoPhase()`: the two-phase all-reduce of
         [`quax_tangents.TwoPhase`][] for `Quantized`, `SignNorm` and `Sparse`
         compressors (others use `GatherSum`): each device receives about
-        `2 (n - 1) / n` compressed leaves. With `"ef"`, the error of the first
-        compression is carried per device (`error`, the leaf's size) and that of the
-        second per chunk (`server_error`, `1/n` of the leaf).
+        `2 (n - 1) / n` compressed leaves. With `ErrorFeedback()`, the error of the
+        first compression is carried per device (`error`, the leaf's size) and that
+        of the second per chunk (`server_error`, `1/n` of the leaf).
     - `qt.Cheapest()` (the default): per leaf, whichever of the two and the dense ring
         all-reduce of the compressed leaf's dense value receives the fewest bytes
         per device at the axis size in use (`quax_tangents.hlo.schedule_bytes`; ties
         go to the gather). The dense all-reduce sums the same compressed values
-        exactly, so it emits what the gather would. With `"ef"` and a compressor
-        that has chunks, the state holds a `server_error` for the two-phase
-        schedule whichever is chosen (its structure may not depend on the device
-        count). With `"ef21"` or `sharded`, the two-phase schedule is not a
+        exactly, so it emits what the gather would. With `ErrorFeedback()` and a
+        compressor that has chunks, the state holds a `server_error` for the
+        two-phase schedule whichever is chosen (its structure may not depend on the
+        device count). With `EF21()` or `sharded`, the two-phase schedule is not a
         candidate.
     - `sharded=True` (ZeRO / FSDP style): the parameters (and the states of the
         transformations that follow) are sharded along their first dim over
@@ -141,10 +172,10 @@ def compress_updates(
         averaged whole. The first dim of a sharded leaf must be a multiple of the
         number of devices.
 
-    `error_dtype="int8"` stores the `"ef"` error as int8 codes with one float32 scale
-    per block of at most 256 elements (nearest rounding), about 0.26x the bytes of a
-    float32 error. What that rounding drops (at most `max|block| / 254` per element)
-    is not fed back.
+    `error_dtype="int8"` stores `ErrorFeedback()`'s error as int8 codes with one
+    float32 scale per block of at most 256 elements (nearest rounding), about 0.26x
+    the bytes of a float32 error. What that rounding drops (at most
+    `max|block| / 254` per element) is not fed back.
 
     Call `init` inside the `shard_map` body too (with `sharded`, on the shards), and
     see [`quax_tangents.optax.partition_specs`][].
@@ -154,7 +185,8 @@ def compress_updates(
     - `compressor`: a function from a dense array to a compressed value, e.g.
         `lambda g: qt.top_k(g, 0.01)`, `qt.sign_norm` or
         `functools.partial(qt.quantize, bits=8)`.
-    - `error_feedback`: `"ef"`, `"ef21"` or `None`.
+    - `error_feedback`: `qto.ErrorFeedback()`, `qto.EF21()` or `None`. The strings
+        `"ef"` and `"ef21"` are their deprecated spellings; each use warns.
     - `min_compression_rate`: the least `dense / compressed` bytes ratio worth
         compressing for.
     - `filter`: which leaves may be compressed, in any form `optax.masked` takes
@@ -175,10 +207,7 @@ def compress_updates(
     An `optax.GradientTransformation` whose state is a
     [`quax_tangents.optax.CompressState`][].
     """
-    if error_feedback not in ("ef", "ef21", None):
-        raise ValueError(
-            f"`error_feedback` must be 'ef', 'ef21' or None, got {error_feedback!r}."
-        )
+    error_feedback = _feedback(error_feedback)
     if not callable(compressor):
         raise TypeError(f"`compressor` must be callable, got {compressor!r}.")
     rate = check_rate(min_compression_rate)
@@ -188,7 +217,7 @@ def compress_updates(
     _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype)
     # The schedules `"auto"` may choose from.
     candidates: tuple[Schedule, ...] = ("gather", "dense")
-    if error_feedback != "ef21" and sharded is False:
+    if not isinstance(error_feedback, EF21) and sharded is False:
         candidates = ("gather", "two_phase", "dense")
     keeps_server_error = two_phase or (schedule == "auto" and "two_phase" in candidates)
     plan_of = ft.partial(compress_plan, compressor, filter, rate)
@@ -224,12 +253,12 @@ def compress_updates(
         replicated = lambda leaf: jnp.zeros(jnp.shape(leaf), leaf.dtype)  # noqa: E731
         zero_error_of = ft.partial(_zero_error, error_dtype=error_dtype, axis=axis_name)
         error = estimate = aggregate = server_error = None
-        if error_feedback == "ef":
+        if isinstance(error_feedback, ErrorFeedback):
             error = treedef.unflatten(fields(plan, whole, zero_error_of))
             if keeps_server_error and axis_name is not None:
                 server = ft.partial(server_zeros, n=n)
                 server_error = treedef.unflatten(fields(plan, whole, server))
-        if error_feedback == "ef21":
+        if isinstance(error_feedback, EF21):
             estimate = treedef.unflatten(fields(plan, whole, per_device))
             if axis_name is not None:
                 aggregate = treedef.unflatten(fields(plan, whole, replicated))
@@ -269,12 +298,12 @@ def compress_updates(
         return out.total, out.sent, out.server_error
 
     def update_leaf(g, shard, error, estimate, aggregate, server_error):
-        if error_feedback == "ef":
+        if isinstance(error_feedback, ErrorFeedback):
             v = g + load_error(error)
             u, sent, server_error = combine(v, shard, server_error)
             error = store_error(v - sent, g.dtype, error_dtype)
             return u, (error, None, None, server_error)
-        if error_feedback == "ef21":
+        if isinstance(error_feedback, EF21):
             c = compressor(g - estimate)
             estimate = estimate + c.materialise()
             if axis_name is None:
@@ -404,21 +433,42 @@ def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> 
     for name, on in (("method=qt.TwoPhase()", two_phase), ("sharded", wants_sharding)):
         if on and axis_name is None:
             raise ValueError(f"`{name}` needs an `axis_name` to combine devices over.")
-        if on and error_feedback == "ef21":
+        if on and isinstance(error_feedback, EF21):
             raise ValueError(
-                f"`{name}` works with `error_feedback='ef'` or None, not 'ef21' (whose "
-                "aggregate needs the exact mean of the compressed changes)."
+                f"`{name}` works with `error_feedback=qto.ErrorFeedback()` or None, "
+                "not `qto.EF21()` (whose aggregate needs the exact mean of the "
+                "compressed changes)."
             )
     if two_phase and wants_sharding:
         raise ValueError(
             "Choose one of `method=qt.TwoPhase()` (an all-reduce) and `sharded` (a "
             "reduce-scatter into sharded parameters)."
         )
-    if error_dtype is not None and error_feedback != "ef":
+    if error_dtype is not None and not isinstance(error_feedback, ErrorFeedback):
         raise ValueError(
-            "`error_dtype` sets how the 'ef' error is stored; it needs "
-            f"`error_feedback='ef'`, got {error_feedback!r}."
+            "`error_dtype` sets how the carried error is stored; it needs "
+            f"`error_feedback=qto.ErrorFeedback()`, got {error_feedback!r}."
         )
+
+
+def _feedback(error_feedback: Any) -> Feedback:
+    """`error_feedback` as a strategy, after a warning for a deprecated name."""
+    if isinstance(error_feedback, str) and error_feedback in _FEEDBACK_OF_NAME:
+        strategy = _FEEDBACK_OF_NAME[error_feedback]
+        warn_deprecated(
+            f"compress_updates(error_feedback={error_feedback!r})",
+            f"compress_updates(error_feedback=qto.{strategy.__name__}())",
+            stacklevel=4,
+        )
+        return strategy()
+    if isinstance(error_feedback, type) and error_feedback in (ErrorFeedback, EF21):
+        raise TypeError(
+            "`error_feedback` must be an instance: "
+            f"`qto.{error_feedback.__name__}()`, not the class."
+        )
+    if error_feedback is None or isinstance(error_feedback, (ErrorFeedback, EF21)):
+        return error_feedback
+    raise TypeError(f"`error_feedback` must be {_FEEDBACKS}, got {error_feedback!r}.")
 
 
 def _shard_flags(sharded: bool | PyTree[bool], tree: PyTree) -> list[bool]:

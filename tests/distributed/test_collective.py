@@ -387,7 +387,10 @@ def test_error_feedback_tracks_the_gradients(name, compressor):
     grads = drift + rng.standard_normal((steps, DEVICES, *shape)).astype(np.float32)
     params = jnp.zeros(shape)
     tx = qto.compress_updates(
-        compressor, error_feedback="ef", axis_name=AXIS, method=qt.GatherSum()
+        compressor,
+        error_feedback=qto.ErrorFeedback(),
+        axis_name=AXIS,
+        method=qt.GatherSum(),
     )
     updates, state = _run_stream(tx, grads, params)
     applied = np.cumsum(np.asarray(updates), axis=0)
@@ -407,7 +410,7 @@ def test_ef21_estimates_converge_to_a_fixed_gradient():
     grads = np.random.default_rng(8).standard_normal((DEVICES, *shape), np.float32)
     stream = np.broadcast_to(grads, (80, DEVICES, *shape)).copy()
     tx = qto.compress_updates(
-        lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS
+        lambda g: qt.top_k(g, 0.1), error_feedback=qto.EF21(), axis_name=AXIS
     )
     updates, state = _run_stream(tx, stream, jnp.zeros(shape))
     assert relative_error(updates[-1], grads.mean(0)) < 1e-5
@@ -451,7 +454,7 @@ _CONVERGENCE = {
     ),
     "top-k-ef21": (
         lambda: qto.compress_updates(
-            lambda g: qt.top_k(g, 0.1), error_feedback="ef21", axis_name=AXIS
+            lambda g: qt.top_k(g, 0.1), error_feedback=qto.EF21(), axis_name=AXIS
         ),
         1e-5,
     ),

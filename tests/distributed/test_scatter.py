@@ -371,8 +371,8 @@ def test_int8_error_feedback_converges_on_one_device():
         ({"sharded": True}, "axis_name"),
         ({"method": qt.TwoPhase(), "sharded": True, "axis_name": AXIS}, "one of"),
         (
-            {"method": qt.TwoPhase(), "axis_name": AXIS, "error_feedback": "ef21"},
-            "ef21",
+            {"method": qt.TwoPhase(), "axis_name": AXIS, "error_feedback": qto.EF21()},
+            "EF21",
         ),
         ({"error_dtype": "int8", "error_feedback": None}, "error_dtype"),
         ({"error_dtype": "int4"}, "error_dtype"),

@@ -148,7 +148,9 @@ def test_without_error_feedback_the_update_is_the_compressed_gradient():
 
 def test_ef21_estimate_converges_to_a_fixed_gradient():
     grads = jnp.broadcast_to(_stream(1, (16, 12))[0], (60, 16, 12))
-    state, updates = _run(qto.compress_updates(_top_k, error_feedback="ef21"), grads)
+    state, updates = _run(
+        qto.compress_updates(_top_k, error_feedback=qto.EF21()), grads
+    )
     assert_close(updates[-1], grads[0])
     assert_close(state.estimate, grads[0])
     assert state.aggregate is None
@@ -336,7 +338,7 @@ def test_powersgd_int8_error_is_the_error_rounded_per_block():
     [
         lambda: qto.powersgd(4),
         lambda: qto.powersgd(4, error_dtype="int8"),
-        lambda: qto.compress_updates(_top_k, error_feedback="ef21"),
+        lambda: qto.compress_updates(_top_k, error_feedback=qto.EF21()),
         lambda: qto.compress_updates(qt.sign_norm),
     ],
     ids=["powersgd", "powersgd-int8-error", "top-k-ef21", "sign-ef"],
@@ -369,8 +371,10 @@ def test_chained_with_adam_in_a_scan_converges(make_tx):
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ValueError, match="error_feedback"):
+    with pytest.raises(TypeError, match="`error_feedback` must be `qto.ErrorFeedback"):
         qto.compress_updates(_top_k, error_feedback="both")
+    with pytest.raises(TypeError, match=r"an instance: `qto.EF21\(\)`"):
+        qto.compress_updates(_top_k, error_feedback=qto.EF21)
     with pytest.raises(ValueError, match="min_compression_rate"):
         qto.compress_updates(_top_k, min_compression_rate=0)
     with pytest.raises(TypeError, match="compressor"):
@@ -400,7 +404,7 @@ def test_update_with_an_unbound_axis_explains():
 def test_partition_specs_of_a_chain():
     tx = optax.chain(
         qto.powersgd(2, axis_name="data"),
-        qto.compress_updates(_top_k, error_feedback="ef21", axis_name="data"),
+        qto.compress_updates(_top_k, error_feedback=qto.EF21(), axis_name="data"),
         qto.powersgd(2, error_dtype="int8", axis_name="data"),
         optax.adam(1e-3),
     )
