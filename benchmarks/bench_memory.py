@@ -5,8 +5,8 @@ SGD update `p - learning_rate * g`, compiled with `jax.jit` (the steps are run o
 to check that they work; the figures come from the compiler):
 
 - `backprop`: `jax.grad`;
-- `forward, dense`: `quax_tangents.forward_grad(..., directions="gaussian")`;
-- `forward, low-rank`: `quax_tangents.forward_grad(..., directions="low_rank")`,
+- `forward, dense`: `quax_tangents.forward_grad(..., directions=qt.GaussianDirections())`;
+- `forward, low-rank`: `quax_tangents.forward_grad(..., directions=qt.LowRankDirections(RANK))`,
   rank 1;
 
 plus `loss only` (the forward pass, no gradient) as a floor. Figures are
@@ -123,10 +123,10 @@ def make_steps(mlp: Callable) -> dict[str, Callable]:
     def backprop(params, x, y, key):
         return sgd(params, jax.grad(loss)(params, x, y))
 
-    def forward(directions: str) -> Callable:
+    def forward(directions: Any) -> Callable:
         def step(params, x, y, key):
             estimate = qt.forward_grad(
-                lambda p: loss(p, x, y), params, key, directions=directions, rank=RANK
+                lambda p: loss(p, x, y), params, key, directions=directions
             )
             # A LowRank estimate is materialised inside the update, which XLA fuses
             # into the write of the new weight: no weight-sized temporary.
@@ -137,8 +137,8 @@ def make_steps(mlp: Callable) -> dict[str, Callable]:
     return {
         "loss only": loss_only,
         "backprop": backprop,
-        "forward, dense": forward("gaussian"),
-        "forward, low-rank": forward("low_rank"),
+        "forward, dense": forward(qt.GaussianDirections()),
+        "forward, low-rank": forward(qt.LowRankDirections(rank=RANK)),
     }
 
 

@@ -23,6 +23,9 @@ from ._autodiff._ad import (
 )
 from ._autodiff._forward import (
     ForwardGradInfo as ForwardGradInfo,
+    GaussianDirections as GaussianDirections,
+    LowRankDirections as LowRankDirections,
+    SparseDirections as SparseDirections,
     forward_grad as forward_grad,
 )
 from ._core._base import (
@@ -104,6 +107,9 @@ __all__ = [
     "fallback_mode",
     "forward_grad",
     "ForwardGradInfo",
+    "LowRankDirections",
+    "GaussianDirections",
+    "SparseDirections",
     "GatherSum",
     "grad",
     "inner",

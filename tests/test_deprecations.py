@@ -128,3 +128,28 @@ def test_error_feedback_names_are_strategies(old, new):
             updates, state = tx.update(grads, state)
         results.append((updates, state))
     assert jax.tree.all(jax.tree.map(jnp.array_equal, *results))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ({"directions": "low_rank"}, qt.LowRankDirections(rank=1)),
+        ({"directions": "gaussian"}, qt.GaussianDirections()),
+        ({"directions": "sparse", "k": 3}, qt.SparseDirections(k=3)),
+        ({"rank": 2}, qt.LowRankDirections(rank=2)),
+    ],
+)
+def test_forward_grad_directions_are_strategies(old, new):
+    params = {"w": jnp.linspace(0.0, 1.0, 24).reshape(4, 6), "b": jnp.ones(6)}
+
+    def fn(p):
+        return jnp.sum(p["w"] @ jnp.arange(6.0)) + jnp.sum(p["b"])
+
+    with _warns(f"forward_grad(directions=qt.{new!r})"):
+        deprecated = qt.forward_grad(fn, params, jax.random.key(0), **old)
+    current = qt.forward_grad(fn, params, jax.random.key(0), directions=new)
+    assert type(deprecated["w"]) is type(current["w"])
+    same = jax.tree.map(
+        jnp.array_equal, qt.materialise(deprecated), qt.materialise(current)
+    )
+    assert jax.tree.all(same)

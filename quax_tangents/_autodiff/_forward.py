@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -26,14 +26,73 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree, Scalar
 
 from .._core import _validate
 from .._core._base import materialise_values
+from .._core._deprecation import warn_deprecated
 from .._differentiable import split_structures
 from .._types.lowrank import LowRank
 from .._types.sparse import Sparse
 from ._ad import jvp
 
 
-Directions = Literal["low_rank", "gaussian", "sparse"]
-_DIRECTIONS = ("low_rank", "gaussian", "sparse")
+class LowRankDirections(eqx.Module):
+    """Low-rank directions for [`quax_tangents.forward_grad`][], the default: a leaf
+    of shape `(..., m, n)` gets the `LowRank` direction `sum_i a_i b_i^T /
+    sqrt(rank)` with standard normal `a_i` (length `m`) and `b_i` (length `n`),
+    independently per leading index.
+
+    Nothing is normalised or orthonormalised: that would break unbiasedness. For a
+    single `m x n` leaf the expected squared error is
+    `(((m + 2)(n + 2) + (rank - 1)(m n + 2)) / rank - 1) ||grad f||^2`: for
+    `rank=1`, `(m + 2)(n + 2) - 1`, close to the dense Gaussian's `m n + 1`. A leaf
+    whose factors would be no smaller than it, `rank (m + n) >= m n` (a row or a
+    column, say), gets a dense Gaussian direction instead.
+
+    **Arguments:**
+
+    - `rank`: the rank of each direction, at least 1.
+    """
+
+    rank: int = 1
+
+    def __check_init__(self) -> None:
+        _validate.check_positive_int("rank", self.rank)
+
+
+class GaussianDirections(eqx.Module):
+    """Dense standard normal directions for [`quax_tangents.forward_grad`][], one per
+    leaf: expected squared error `(d + 1) ||grad f||^2` over all `d` parameters."""
+
+
+class SparseDirections(eqx.Module):
+    """Sparse directions for [`quax_tangents.forward_grad`][]: a leaf of `n` entries
+    gets a `Sparse` direction with `k` entries of random sign, one drawn uniformly
+    from each of `k` equal contiguous blocks of the flattened leaf (block sizes
+    differ by at most one when `k` does not divide `n`) and scaled by the square
+    root of its block size, `sqrt(n/k)` when the blocks are equal: an entry of a
+    block of `size` entries is picked with probability `1/size` and scaled by
+    `sqrt(size)`.
+
+    Drawing by blocks avoids the `n`-sized permutation that a uniformly random
+    subset needs. Expected squared error `(n - 1) ||grad f||^2` for a single leaf,
+    whatever `k`: a smaller `k` is cheaper at the same variance.
+
+    **Arguments:**
+
+    - `k`: the entries of each direction: an int count (at most the leaf's size) or
+        a float fraction in `(0, 1]` of the leaf's size (at least 1).
+    """
+
+    k: int | float = 0.01
+
+    def __check_init__(self) -> None:
+        _check_k(self.k)
+
+
+Directions = LowRankDirections | GaussianDirections | SparseDirections
+_DIRECTION_TYPES = (LowRankDirections, GaussianDirections, SparseDirections)
+_DIRECTIONS = (
+    "`qt.LowRankDirections(rank=...)`, `qt.GaussianDirections()` or "
+    "`qt.SparseDirections(k=...)`"
+)
 
 
 class ForwardGradInfo(eqx.Module):
@@ -70,11 +129,11 @@ def forward_grad(
     params: PyTree,
     key: PRNGKeyArray,
     *,
-    directions: Directions = "low_rank",
-    rank: int = 1,
-    k: int | float = 0.01,
+    directions: Directions | str = LowRankDirections(),  # noqa: B008 (immutable)
     num_directions: int = 1,
     return_info: bool = False,
+    rank: int | None = None,
+    k: int | float | None = None,
 ) -> PyTree | tuple[PyTree, ForwardGradInfo]:
     """The forward-gradient estimate `g = (grad f . v) v` of `grad fn(params)`, with
     `v` drawn as a compressed value (Baydin et al., 2022).
@@ -82,30 +141,13 @@ def forward_grad(
     Each direction costs one forward-mode JVP and no backward pass: all
     `num_directions` directions go through one `quax_tangents.jvp`, batched with
     `jax.vmap` (the primal is computed once). The directions are drawn so that
-    `E[vec(v) vec(v)^T] = I`, which makes the estimate unbiased, `E[g] = grad f`:
+    `E[vec(v) vec(v)^T] = I`, which makes the estimate unbiased, `E[g] = grad f`,
+    from one of three strategies (`directions`):
+    [`quax_tangents.LowRankDirections`][] (the default),
+    [`quax_tangents.GaussianDirections`][] and
+    [`quax_tangents.SparseDirections`][].
 
-    - `"low_rank"`: a leaf of shape `(..., m, n)` gets the `LowRank` direction
-        `sum_i a_i b_i^T / sqrt(rank)` with standard normal `a_i` (length `m`) and
-        `b_i` (length `n`), independently per leading index. Nothing is normalised or
-        orthonormalised: that would break unbiasedness. For a single `m x n` leaf the
-        expected squared error is
-        `(((m + 2)(n + 2) + (rank - 1)(m n + 2)) / rank - 1) ||grad f||^2`: for
-        `rank=1`, `(m + 2)(n + 2) - 1`, close to the dense Gaussian's `m n + 1`. A
-        leaf whose factors would be no smaller than it, `rank (m + n) >= m n` (a row
-        or a column, say), gets a dense Gaussian direction instead.
-    - `"gaussian"`: a dense standard normal direction per leaf. Expected squared
-        error `(d + 1) ||grad f||^2` over all `d` parameters.
-    - `"sparse"`: a leaf of `n` entries gets a `Sparse` direction with `k` entries of
-        random sign, one drawn uniformly from each of `k` equal contiguous blocks of
-        the flattened leaf (block sizes differ by at most one when `k` does not divide
-        `n`) and scaled by the square root of its block size, `sqrt(n/k)` when the
-        blocks are equal: an entry of a block of `size` entries is picked with
-        probability `1/size` and scaled by `sqrt(size)`. Drawing by blocks avoids the
-        `n`-sized permutation that a uniformly random subset needs. Expected squared
-        error `(n - 1) ||grad f||^2` for a single leaf, whatever `k`: a smaller `k`
-        is cheaper at the same variance.
-
-    In every mode, leaves with fewer than two dimensions (biases, scalars) get dense
+    With every strategy, leaves with fewer than two dimensions (biases, scalars) get dense
     standard normal directions: they are small, and have no low-rank form.
 
     The estimate keeps each leaf's direction type: `s * v` of a `LowRank` is a
@@ -137,31 +179,28 @@ def forward_grad(
         differentiable fields are the parameters. Every leaf is differentiated:
         integer leaves are an error (close over them instead).
     - `key`: a PRNG key for the directions.
-    - `directions`: `"low_rank"`, `"gaussian"` or `"sparse"`, as above.
-    - `rank`: the rank of each `"low_rank"` direction, at least 1.
-    - `k`: the entries of each `"sparse"` direction: an int count (at most the
-        leaf's size) or a float fraction in `(0, 1]` of the leaf's size (at least 1).
+    - `directions`: `qt.LowRankDirections(rank=...)`, `qt.GaussianDirections()` or
+        `qt.SparseDirections(k=...)`.
     - `num_directions`: how many directions to average, at least 1.
     - `return_info`: also return a `ForwardGradInfo` with `fn(params)` and the
         directional derivatives (and through it their empirical variance).
+    - `rank`, `k`: deprecated spellings of `LowRankDirections(rank=...)` and
+        `SparseDirections(k=...)`, as are the strings `"low_rank"`, `"gaussian"` and
+        `"sparse"` for `directions`; each use warns.
 
     **Returns:**
 
     The estimate, with the structure of `params` (a `Model.Tangent` for a
     `@differentiable` model), or `(estimate, info)` with `return_info=True`.
     """
-    _check_directions(directions)
+    directions = _strategy(directions, rank, k)
     _validate.check_key("key", key)
-    rank = _validate.check_positive_int("rank", rank)
     num_directions = _validate.check_positive_int("num_directions", num_directions)
-    if directions == "sparse":
-        _check_k(k)
     view = split_structures((params,))[0][0]
     _check_params(view)
     leaves, treedef = jtu.tree_flatten(view)
     recipes = [
-        _recipe(directions, jnp.shape(leaf), jnp.result_type(leaf), rank, k)
-        for leaf in leaves
+        _recipe(directions, jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves
     ]
 
     def one_direction(key: PRNGKeyArray) -> tuple[Scalar, Scalar, PyTree]:
@@ -187,11 +226,47 @@ def forward_grad(
 # Input checks
 
 
-def _check_directions(directions: Any) -> None:
-    if directions not in _DIRECTIONS:
-        raise ValueError(
-            f"`directions` must be one of {_DIRECTIONS}, got {directions!r}."
+_STRATEGY_OF_NAME = {
+    "low_rank": LowRankDirections,
+    "gaussian": GaussianDirections,
+    "sparse": SparseDirections,
+}
+
+
+def _strategy(directions: Any, rank: Any, k: Any) -> Directions:
+    """`directions` as a strategy, after a warning for each deprecated spelling
+    (a name for `directions`, `rank=`, `k=`)."""
+    if isinstance(directions, type) and directions in _DIRECTION_TYPES:
+        raise TypeError(
+            "`directions` must be an instance: "
+            f"`qt.{directions.__name__}()`, not the class."
         )
+    old = []
+    if isinstance(directions, str) and directions in _STRATEGY_OF_NAME:
+        old.append(f"directions={directions!r}")
+        directions = _STRATEGY_OF_NAME[directions]()
+    if not isinstance(directions, _DIRECTION_TYPES):
+        raise TypeError(f"`directions` must be {_DIRECTIONS}, got {directions!r}.")
+    for name, value, kind in (
+        ("rank", rank, LowRankDirections),
+        ("k", k, SparseDirections),
+    ):
+        if value is None:
+            continue
+        if not isinstance(directions, kind):
+            raise ValueError(
+                f"`{name}` sets `{kind.__name__}`'s `{name}`, but `directions` is "
+                f"{directions!r}; drop `{name}`."
+            )
+        old.append(f"{name}={value!r}")
+        directions = kind(**{name: value})
+    if old:
+        warn_deprecated(
+            f"forward_grad({', '.join(old)})",
+            f"forward_grad(directions=qt.{directions!r})",
+            stacklevel=4,
+        )
+    return directions
 
 
 def _check_k(k: Any) -> None:
@@ -316,18 +391,16 @@ def _sparse(shape: tuple[int, ...], dtype: Any, k: int | float) -> _Recipe:
     return _Recipe(dtype, 0, sizes, build)
 
 
-def _recipe(
-    directions: Directions, shape: tuple[int, ...], dtype: Any, rank: int, k: Any
-) -> _Recipe:
+def _recipe(directions: Directions, shape: tuple[int, ...], dtype: Any) -> _Recipe:
     """The recipe for one leaf; vectors and scalars are always dense Gaussian."""
-    if directions == "gaussian" or len(shape) < 2:
+    if isinstance(directions, GaussianDirections) or len(shape) < 2:
         return _gaussian(shape, dtype)
-    if directions == "low_rank":
+    if isinstance(directions, LowRankDirections):
         m, n = shape[-2:]
-        if rank * (m + n) >= m * n:  # factors no smaller than the matrix
+        if directions.rank * (m + n) >= m * n:  # factors no smaller than the matrix
             return _gaussian(shape, dtype)
-        return _low_rank(shape, dtype, rank)
-    return _sparse(shape, dtype, k)
+        return _low_rank(shape, dtype, directions.rank)
+    return _sparse(shape, dtype, directions.k)
 
 
 # A leaf that needs at least this many normals draws them on its own. Sharing one draw

@@ -100,12 +100,19 @@ def expected_squared_error(kind: str, rank: int, grads) -> float:
     ) - sum(norms.values())
 
 
-def _samples(directions: str, **kwargs):
+def _strategy(kind: str, rank: int):
+    """The strategy of a case: `kind` as the variance formula names it."""
+    if kind == "gaussian":
+        return qt.GaussianDirections()
+    if kind == "low_rank":
+        return qt.LowRankDirections(rank=rank)
+    return qt.SparseDirections(k=5)
+
+
+def _samples(directions):
     """`SAMPLES` single-direction estimates, dense, stacked along axis 0."""
     estimate = jax.jit(
-        jax.vmap(
-            lambda k: qt.forward_grad(loss, PARAMS, k, directions=directions, **kwargs)
-        )
+        jax.vmap(lambda k: qt.forward_grad(loss, PARAMS, k, directions=directions))
     )
     with qt.fallback("silent"):  # tanh densifies the tangent; that is not tested here
         stacked = estimate(jax.random.split(key(0), SAMPLES))
@@ -122,7 +129,7 @@ CASES = [
 
 @pytest.mark.parametrize("directions, rank", CASES)
 def test_unbiased_with_predicted_variance(directions, rank):
-    samples = _samples(directions, rank=rank, k=5)
+    samples = _samples(_strategy(directions, rank))
     grads = _exact_gradient()
 
     # Unbiased: each entry's sample mean is within Z_BOUND standard errors of the
@@ -168,7 +175,12 @@ def test_estimate_is_compressed_and_averaged():
     params = {"w": w, "b": b}
     estimate = jax.jit(
         lambda p, k: qt.forward_grad(
-            linear, p, k, rank=2, num_directions=3, return_info=True
+            linear,
+            p,
+            k,
+            directions=qt.LowRankDirections(rank=2),
+            num_directions=3,
+            return_info=True,
         )
     )
     with qt.fallback("error"):
@@ -199,7 +211,7 @@ def test_sparse_estimate_is_sparse():
     with qt.fallback("silent"):
         g = jax.jit(
             lambda w, k: qt.forward_grad(
-                fn, w, k, directions="sparse", k=4, num_directions=2
+                fn, w, k, directions=qt.SparseDirections(k=4), num_directions=2
             )
         )(w, key(2))
     assert isinstance(g, qt.Sparse) and g.k == 8 and g.shape == w.shape
@@ -234,29 +246,29 @@ def test_which_leaves_get_which_directions():
     def fn(p):
         return sum(jnp.sum(leaf) for leaf in jtu.tree_leaves(p))
 
-    def kinds(**kwargs):
+    def kinds(directions):
         with qt.fallback("silent"):
             shapes = jax.eval_shape(  # traces only: no compilation
-                lambda k: qt.forward_grad(fn, params, k, **kwargs), KEY
+                lambda k: qt.forward_grad(fn, params, k, directions=directions), KEY
             )
         return {
             name: (type(leaf).__name__, getattr(leaf, "rank", getattr(leaf, "k", None)))
             for name, leaf in shapes.items()
         }
 
-    assert kinds(rank=2) == {
+    assert kinds(qt.LowRankDirections(rank=2)) == {
         "matrix": ("LowRank", 2),
         "stack": ("LowRank", 2),
         "row": ("ShapeDtypeStruct", None),
         "vector": ("ShapeDtypeStruct", None),
         "scalar": ("ShapeDtypeStruct", None),
     }
-    sparse = kinds(directions="sparse", k=0.25)
+    sparse = kinds(qt.SparseDirections(k=0.25))
     assert sparse["matrix"] == ("Sparse", 48) and sparse["stack"] == ("Sparse", 36)
     assert sparse["row"] == ("Sparse", 3) and sparse["vector"][0] == "ShapeDtypeStruct"
     # An int count is capped at the leaf's size.
-    assert kinds(directions="sparse", k=100)["row"] == ("Sparse", 12)
-    assert set(kinds(directions="gaussian").values()) == {("ShapeDtypeStruct", None)}
+    assert kinds(qt.SparseDirections(k=100))["row"] == ("Sparse", 12)
+    assert set(kinds(qt.GaussianDirections()).values()) == {("ShapeDtypeStruct", None)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,17 +316,37 @@ KEY = key(0)
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(rank=0), ValueError, "`rank` must be at least 1"),
-        (dict(rank=1.5), TypeError, "`rank` must be a Python int"),
         (dict(num_directions=0), ValueError, "`num_directions` must be at least 1"),
-        (dict(directions="dense"), ValueError, "`directions` must be one of"),
-        (dict(directions="sparse", k=0.0), ValueError, r"in \(0, 1\]"),
-        (dict(directions="sparse", k=0), ValueError, "`k` must be at least 1"),
+        (dict(directions="dense"), TypeError, "`directions` must be `qt.LowRank"),
+        (
+            dict(directions=qt.LowRankDirections),
+            TypeError,
+            r"an instance: `qt.LowRankDirections\(\)`",
+        ),
+        (
+            dict(directions=qt.GaussianDirections(), rank=2),
+            ValueError,
+            "`rank` sets `LowRankDirections`'s `rank`",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         qt.forward_grad(_quadratic, W, KEY, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: qt.LowRankDirections(rank=0), ValueError, "`rank` must be at least 1"),
+        (lambda: qt.LowRankDirections(rank=1.5), TypeError, "`rank` must be a Python"),
+        (lambda: qt.SparseDirections(k=0.0), ValueError, r"in \(0, 1\]"),
+        (lambda: qt.SparseDirections(k=0), ValueError, "`k` must be at least 1"),
+    ],
+)
+def test_bad_directions(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
 
 
 def test_key_must_be_a_prng_key():
