@@ -51,7 +51,8 @@ class LowRankDirections(eqx.Module):
     - `rank`: the rank of each direction, at least 1.
     """
 
-    rank: int = 1
+    # Static: the rank sets the factors' shapes (a pytree leaf would be traced).
+    rank: int = eqx.field(default=1, static=True)
 
     def __check_init__(self) -> None:
         _validate.check_positive_int("rank", self.rank)
@@ -81,7 +82,8 @@ class SparseDirections(eqx.Module):
         a float fraction in `(0, 1]` of the leaf's size (at least 1).
     """
 
-    k: int | float = 0.01
+    # Static: `k` sets the entries' count (a pytree leaf would be traced).
+    k: int | float = eqx.field(default=0.01, static=True)
 
     def __check_init__(self) -> None:
         _check_k(self.k)

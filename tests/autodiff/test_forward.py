@@ -368,3 +368,19 @@ def test_compressed_params_are_refused():
 def test_non_scalar_output_is_refused():
     with pytest.raises(TypeError, match="real scalar output"):
         jax.jit(lambda w, k: qt.forward_grad(lambda w: w * 2, w, k))(W, KEY)
+
+
+def test_directions_pass_through_jit_as_arguments():
+    # The strategies' sizes are static fields: passed as an argument of a jitted
+    # function they are part of its treedef, not traced.
+    @jax.jit
+    def estimate(directions, w, k):
+        return qt.forward_grad(_quadratic, w, k, directions=directions)
+
+    sparse = qt.SparseDirections(k=2)
+    assert (
+        jax.tree.leaves(sparse) == [] and jax.tree.leaves(qt.LowRankDirections()) == []
+    )
+    with qt.fallback("silent"):
+        assert estimate(sparse, jnp.ones((4, 3)), KEY).k == 2
+        assert estimate(qt.LowRankDirections(rank=1), jnp.ones((4, 3)), KEY).rank == 1
