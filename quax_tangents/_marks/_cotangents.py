@@ -199,10 +199,13 @@ def projected_mark(
     oversample: int,
     *,
     by_layer: bool,
+    axis_name: Any = None,
 ) -> Any:
     """`projected_cotangent`, and with `by_layer` a stacked weight that one
     `lax.scan` slices is projected layer by layer in that scan's backward pass
-    (`quax_tangents._marks._marked_scan`; the optax layer's marks ask for it)."""
+    (`quax_tangents._marks._marked_scan`; the optax layer's marks ask for it).
+    `axis_name`: inside `shard_map`, the axes over which a fresh projector's
+    products with the gradient are summed (`Finish.axis_name`)."""
     batch, (m, n) = _check_matrix("w", w)
     rank = _validate.check_positive_int(
         "rank", rank, upper=min(m, n), hint=f", the smaller side of `w` {(m, n)}"
@@ -219,7 +222,14 @@ def projected_mark(
     else:
         source, operands = Given(), (_check_projector(projector, w, rank),)
     spec = Finish(
-        "projected", rank, iters, source, key_impl, oversample, by_layer=by_layer
+        "projected",
+        rank,
+        iters,
+        source,
+        key_impl,
+        oversample,
+        by_layer=by_layer,
+        axis_name=axis_name,
     )
     return bind_mark(spec, w, operands)
 

@@ -35,7 +35,7 @@ from .._core._sharding import varying_axes
 from . import _cotangents
 from ._marked import Marked
 from ._projection import typed_as
-from ._slices import projected_factor, projected_pair, projection
+from ._slices import projected_factor, projected_pair, projection, summed_over
 from ._sources import Fresh, Given
 
 
@@ -275,7 +275,9 @@ def _given_projectors(w: Any, spec: Any, operands: tuple, varying: frozenset) ->
         stack = jnp.zeros((*batch, min(m, n), spec.rank), jnp.result_type(w))
     else:
         stack = operands[0]
-    if isinstance(spec.source, Given) or not varying:
+    # A mark whose fresh projectors are found from the gradient summed over the
+    # devices (`Finish.axis_name`) gives the same projector on every device.
+    if isinstance(spec.source, Given) or not varying or summed_over(varying, spec):
         return stack
     return device_varying(stack, tuple(varying))
 

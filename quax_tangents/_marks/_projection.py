@@ -27,6 +27,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
 from .._core import _sharding
+from .._core._devices import dense_all_reduce
 from .._core._fallback import record_densification
 from .._core._layout import constrain, drop_leading
 from .._core._registry import rule
@@ -120,6 +121,11 @@ class Finish:
     # `NamedSharding`, or None): each slice's new sum is constrained to its share,
     # so that the partitioner reduce-scatters it rather than all-reducing.
     layout: Any = None
+    # Inside `shard_map`, data parallel (`quax_tangents.optax.mark(axis_name=...)`):
+    # the mesh axes over which a fresh projector's products with the gradient are
+    # summed, so that every device finds the projector of the summed gradient from
+    # its own part of it. None: the cotangent is the whole gradient.
+    axis_name: Any = None
 
     def __post_init__(self):
         if not isinstance(self.source, Source):
@@ -152,6 +158,13 @@ def _range_basis(
     truncated with the top left singular vectors of the small `width x n` matrix
     `Y^T G` (from its `width x width` Gram matrix, so that `n` may be sharded)."""
     m, n = shape
+    if spec.axis_name is not None:
+        # Products with the summed gradient: each device's, summed (small: `m` or
+        # `n` by the sketch's width), the same on every device afterwards.
+        apply, apply_t = (
+            _summed(apply, spec.axis_name),
+            _summed(apply_t, spec.axis_name),
+        )
     sketch = test_matrix(key, shape, spec.rank, spec.oversample)
     basis = _orthonormal(apply(sketch))
     for _ in range(spec.iters):
@@ -159,6 +172,10 @@ def _range_basis(
     u = _sharding.top_left_singular(apply_t(basis).T, spec.rank)
     projector = _sharding.matmul(basis, u)
     return projector * _sharding.column_signs(projector)
+
+
+def _summed(product: Callable, axis_name: Any) -> Callable:
+    return lambda x: dense_all_reduce(product(x), axis_name)
 
 
 def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:

@@ -19,7 +19,7 @@ import jax.tree_util as jtu
 from jax.interpreters import mlir
 from jaxtyping import Array, ArrayLike
 
-from .._core._devices import device_varying
+from .._core._devices import axes_of, device_varying
 from .._core._fallback import record_densification
 from .._core._registry import rule
 from .._core._sharding import varying_axes, varying_type
@@ -105,11 +105,28 @@ projected_pair_p = jexc.Primitive("projected_pair")
 projected_pair_p.multiple_results = True
 
 
+def projector_sources(ct: Any, operands: tuple, spec: Finish) -> tuple:
+    """What a slice's projector varies over the devices as (inside `shard_map`): a
+    given one as it went in; a fresh one as the cotangent `ct` it is found from,
+    unless `ct` varies only over the axes its products are summed over
+    (`Finish.axis_name`), where every device finds the same one."""
+    typed = ct.aval() if isinstance(ct, OuterSum) else ct
+    if isinstance(spec.source, Given) or summed_over(varying_axes(typed), spec):
+        return tuple(operands)
+    return (ct, *operands)
+
+
+def summed_over(varying: frozenset, spec: Finish) -> bool:
+    """Whether every axis of `varying` is one that a fresh projector's products
+    are summed over."""
+    return bool(spec.axis_name) and varying <= frozenset(axes_of(spec.axis_name))
+
+
 def _pair(result: LowRank, ct: Any, operands: tuple, spec: Finish) -> list[Array]:
     """`[projector, factor]` of a projection, typed as `_projected_pair_abstract`
     types them."""
     projector = result.left if result.projector_side == "left" else result.right
-    sources = operands if isinstance(spec.source, Given) else (ct, operands)
+    sources = projector_sources(ct, operands, spec)
     return [
         _varying_as(projector, *sources),
         _varying_as(_factor(result), ct, operands),
@@ -123,9 +140,7 @@ def _projected_pair_dense(ct: Array, *operands: Array, spec: Finish) -> list[Arr
 def _projected_pair_abstract(ct: Any, *operands: Any, spec: Finish) -> list[Any]:
     *batch, m, n = ct.shape
     small, large = min(m, n), max(m, n)
-    # A given projector comes out as it went in: it varies over the devices only
-    # where it did; a fresh one is found from `ct`.
-    sources = operands if isinstance(spec.source, Given) else (ct, *operands)
+    sources = projector_sources(ct, operands, spec)
     return [
         varying_type((*batch, small, spec.rank), ct.dtype, *sources),
         varying_type((*batch, large, spec.rank), ct.dtype, ct, *operands),

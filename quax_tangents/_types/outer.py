@@ -23,7 +23,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from .._core._base import CompressedArray, densify
 from .._core._compat import psum_invariant_p, reshard_p
-from .._core._devices import gather_along
+from .._core._devices import axis_size, dense_all_reduce, gather_along
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -126,16 +126,35 @@ def _reduce_sum(x: OuterSum, *, axes: tuple[int, ...], **params: Any) -> Any:
 
 
 @rule(psum_invariant_p)
-def _psum_invariant(x: OuterSum, *, axes: tuple) -> OuterSum:
+def _psum_invariant(x: OuterSum, *, axes: tuple) -> OuterSum | Array:
     """The sum over devices that JAX's AD inserts for the cotangent of a marked
     weight made device-varying inside `shard_map` (the transpose of `pvary`): every
-    device's terms side by side, exact, finished afterwards like any other sum."""
+    device's terms side by side, exact, finished afterwards like any other sum.
+
+    Where gathering the terms would receive more than a dense all-reduce of the
+    matrix (`devices * B * (m + n) > 2 m n`: many tokens per device), the dense
+    matrices are summed instead, exact and counted as a densification whose
+    message names the way to keep the saving."""
     axes = tuple(axes)
-    return OuterSum(
-        gather_along(x.left, axes, axis=-1),
-        gather_along(x.right, axes, axis=-1),
-        x.spec,
+    devices = axis_size(axes)
+    m, n = x.shape[-2:]
+    if devices * x.left.shape[-1] * (m + n) <= 2 * m * n:
+        return OuterSum(
+            gather_along(x.left, axes, axis=-1),
+            gather_along(x.right, axes, axis=-1),
+            x.spec,
+        )
+    total = dense_all_reduce(x.materialise(), axes)
+    record_densification(
+        psum_invariant_p.name,
+        ("OuterSum",),
+        f"gathering {devices} devices' {x.left.shape[-1]} terms of a {m}x{n} "
+        "gradient would receive more than a dense all-reduce of it",
+        "For a marked weight in data-parallel `shard_map`, pass the mesh axis to "
+        "`quax_tangents.optax.mark(..., axis_name=...)`: each device then projects "
+        "its own gradient, and the sum moves the projected factor only.",
     )
+    return total
 
 
 @rule(reshard_p)

@@ -9,8 +9,10 @@ import jax.tree_util as jtu
 import quax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._core._devices import axis_is_bound, device_varying
 from .._marks._cotangents import Projector, projected_mark, sparse_rows_cotangent
 from .._marks._matrix_view import to_matrix
+from ._common import AxisName
 from ._galore_leaves import LeafPlan
 from ._projected import ProjectedState, find_state
 
@@ -102,6 +104,7 @@ def _mark_leaf(
     key: Any,
     iters: int,
     by_layer: bool,
+    axis_name: AxisName,
 ) -> Any:
     if plan is None or leaf is None:
         return leaf
@@ -119,6 +122,7 @@ def _mark_leaf(
             # As `accumulate_gradients` finds it: its sums have `rank` columns.
             0,
             by_layer=by_layer,
+            axis_name=axis_name,
         ),
     )
 
@@ -143,6 +147,7 @@ def mark(
     key: PRNGKeyArray | None = None,
     iters: int = 0,
     by_layer: bool = True,
+    axis_name: AxisName = None,
 ) -> PyTree:
     """The parameters with the marks that a [`quax_tangents.optax.projected`][] state
     calls for, so that their gradients come back in the form it takes: on each
@@ -197,6 +202,19 @@ def mark(
         in exactly one scan and nowhere else (a `ValueError` says so otherwise);
         `False` keeps every layer's factors until the scan ends, for any use,
         with the same result.
+    - `axis_name`: inside `jax.shard_map`, data parallel (replicated weights, each
+        device its part of the batch): the mesh axis the batch is split over. Each
+        device then projects its own gradient, and the sum over the devices that
+        JAX's differentiation takes of a replicated weight's gradient (the
+        transpose of the `pvary` it inserts where the weight meets the device's
+        data) moves the projected factor only: an all-reduce of `(m, rank)` per
+        matrix, whatever the batch. Without it the sum comes first, of the
+        gradient's unprojected factors (every token's input and output
+        cotangents), and the projection after. The gradient is the same: JAX's own
+        sum over the devices (take `lax.pmean` of the loss for the mean). Give it
+        only for weights that meet the devices' own data: a marked weight used on
+        replicated values alone would have its gradient summed over the devices
+        too.
 
     **Returns:**
 
@@ -204,6 +222,12 @@ def mark(
     """
     if not isinstance(by_layer, bool):
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
+    if axis_name is not None and not axis_is_bound(axis_name):
+        raise NameError(
+            f"`axis_name={axis_name!r}` is not bound here: call `qto.mark(..., "
+            "axis_name=...)` inside the body of `jax.shard_map` over that mesh axis, "
+            "or leave `axis_name` out."
+        )
     inner = find_state(state, "`quax_tangents.optax.mark`")
     plans, leaves, projectors, treedef = plan_leaves(
         inner, params, "`quax_tangents.optax.mark`"
@@ -213,8 +237,24 @@ def mark(
     ]
     keys = leaf_keys(key, inner, len(projected_leaves))
     key_of = {i: keys[j] for j, i in enumerate(projected_leaves)}
+    if axis_name is not None:
+        # Varying before the mark: the sum over devices (its transpose) then comes
+        # after the mark's projection in the backward pass.
+        leaves = [
+            leaf if plan is None or leaf is None else device_varying(leaf, axis_name)
+            for leaf, plan in zip(leaves, plans)
+        ]
     marked = [
-        _mark_leaf(leaf, plan, projector, inner.refresh, key_of.get(i), iters, by_layer)
+        _mark_leaf(
+            leaf,
+            plan,
+            projector,
+            inner.refresh,
+            key_of.get(i),
+            iters,
+            by_layer,
+            axis_name,
+        )
         for i, (leaf, plan, projector) in enumerate(zip(leaves, plans, projectors))
     ]
     return jtu.tree_unflatten(treedef, marked)

@@ -170,24 +170,43 @@ def test_all_reduce_rejects_a_method_for_another_type():
 
 
 @needs_devices
+def _psum_of_low_rank(rank):
+    def body(x):
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], rank))
+
+    return body
+
+
 def test_lax_psum_under_quax_with_check_vma():
     """A LowRank's type says where its factors vary, so `lax.psum` of it (bound as
-    `psum_invariant`) is the exact `all_reduce`. The other types have no rule for it:
-    the dense sum, counted, with `all_reduce` named in the fallback's message."""
+    `psum_invariant`) is the exact `all_reduce`: every device's factors side by
+    side, under the rank budget. The other types have no rule for it: the dense
+    sum, counted, with `all_reduce` named in the fallback's message."""
     xs = _per_device_matrices()
-
-    def lowrank_body(x):
-        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], 2))
+    m, n = xs[0].shape
+    assert DEVICES * 1 * (m + n) < m * n <= DEVICES * 2 * (m + n)
 
     qt.reset_fallback_counts()
-    out = on_mesh(lowrank_body, P(AXIS), P())(split(xs))
-    assert isinstance(out, qt.LowRank) and out.rank == DEVICES * 2
-    assert_close(out, _central_sum("LowRank", xs))
+    out = on_mesh(_psum_of_low_rank(1), P(AXIS), P())(split(xs))
+    assert isinstance(out, qt.LowRank) and out.rank == DEVICES
+    assert_close(out, sum(qt.materialise(qt.low_rank(x, 1)) for x in xs))
     assert qt.fallback_counts() == {}
+    # Over the budget, the dense sum (exact, counted), as for a sum of LowRanks.
+    with qt.fallback("silent"):
+        out = on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
+    assert not isinstance(out, qt.LowRank)
+    assert_close(out, _central_sum("LowRank", xs))
+    assert qt.fallback_counts() == {("psum_invariant", "LowRank"): 1}
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="GatherSum"):
+        on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
+    with qt.rank_budget("recompress"):
+        out = on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
+    assert isinstance(out, qt.LowRank) and out.rank < DEVICES * 2
 
     def sparse_body(x):
         return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.top_k(x[0], 7))
 
+    qt.reset_fallback_counts()
     with qt.fallback("silent"):
         dense = on_mesh(sparse_body, P(AXIS), P())(split(xs))
     expected = sum(qt.materialise(qt.top_k(x, 7)) for x in xs)

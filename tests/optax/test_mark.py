@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
 from tests.helpers import assert_close, random_array
+from tests.helpers.collective import skip_without_devices
 from tests.helpers.matrix_view import (
     DIMS,
     HEAD_DIM,
@@ -441,3 +443,127 @@ def test_by_layer_must_be_a_bool():
     params, tx = _stacked_setup()
     with pytest.raises(TypeError, match="by_layer"):
         qto.mark(params, tx.init(params), by_layer=1)
+
+
+def _data_parallel(loss, params, tx, batch, axis_name, steps=2):
+    """The marked gradients of `steps` steps of a data-parallel `shard_map` on 4
+    devices (replicated weights, the batch split, the mean loss), the compiled
+    step's collectives, and the same gradients on one device."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+
+    def gradients(params, state, *batch):  # on one device, the whole batch
+        return qt.value_and_grad(lambda p: loss(qto.mark(p, state), *batch))(params)
+
+    def per_device(params, state, *batch):
+        def marked(p):
+            mean = loss(qto.mark(p, state, axis_name=axis_name), *batch)
+            return jax.lax.pmean(mean, "data")
+
+        return qt.value_and_grad(marked)(params)
+
+    step = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P(), *(P("data") for _ in batch)),
+            out_specs=P(),
+        )
+    )
+    sharded = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in batch]
+    state = tx.init(params)
+    results = []
+    for _ in range(steps):  # a refresh step, then one that keeps the projectors
+        got = step(params, state, *sharded)
+        expected = jax.jit(gradients)(params, state, *batch)
+        results.append((got, expected))
+        updates, state = tx.update(expected[1], state, params)
+        params = qto.apply_updates(params, updates)
+    collectives = qt.hlo.collectives(step.lower(params, state, *sharded).compile())
+    return results, collectives
+
+
+def _linear_setup(tokens_per_device):
+    params = {"w": random_array(0, (64, 48)) * 0.1, "b": jnp.zeros(48)}
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=4,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=lambda p: {"w": True, "b": False},
+    )
+    x = random_array(1, (4 * tokens_per_device, 64))
+    y = random_array(2, (4 * tokens_per_device, 48))
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+    return loss, params, tx, (x, y)
+
+
+def _assert_same_gradients(results):
+    for (value, grads), (expected_value, expected) in results:
+        assert_close(value, expected_value)
+        got, want = qt.materialise(grads), qt.materialise(expected)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert_close(g, w)
+
+
+def _weight_bytes(params):
+    return params["w"].size * params["w"].dtype.itemsize
+
+
+@skip_without_devices(4)
+def test_marks_with_axis_name_sum_the_projected_factor_over_the_devices():
+    # Each device projects its own gradient (on a refresh step, with the products
+    # that find the projector summed), then only the projected factor moves: the
+    # same gradients as on one device, and no collective of a weight-sized array.
+    loss, params, tx, batch = _linear_setup(tokens_per_device=32)
+    with qt.fallback("error"):
+        results, collectives = _data_parallel(loss, params, tx, batch, "data")
+    _assert_same_gradients(results)
+    assert isinstance(results[0][0][1]["w"], qt.LowRank)
+    assert max(c.operand_bytes for c in collectives) < _weight_bytes(params) / 4
+    assert {c.kind for c in collectives} == {"all-reduce"}
+
+
+@skip_without_devices(4)
+@pytest.mark.parametrize("tokens_per_device", [2, 32])
+def test_marks_without_axis_name_gather_the_terms_or_sum_densely(tokens_per_device):
+    # Without `axis_name` JAX's sum over the devices comes before the projection:
+    # every device's terms (the tokens' factors) are gathered while that receives
+    # less than a dense all-reduce, and beyond that the dense gradients are summed,
+    # counted, with a message that names `axis_name`.
+    loss, params, tx, batch = _linear_setup(tokens_per_device)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        results, collectives = _data_parallel(loss, params, tx, batch, None, steps=1)
+    _assert_same_gradients(results)
+    largest = max(c.operand_bytes for c in collectives)
+    dense = ("psum_invariant", "OuterSum") in qt.fallback_counts()
+    assert dense == (tokens_per_device == 32)
+    assert (largest >= _weight_bytes(params)) == dense
+    if dense:
+        with pytest.raises(qt.DensificationError, match="axis_name"):
+            with qt.fallback("error"):
+                _data_parallel(loss, params, tx, batch, None, steps=1)
+
+
+@skip_without_devices(4)
+def test_marks_with_axis_name_on_a_scanned_stack():
+    # Stacked layers under `lax.scan`, each layer's gradient projected in the
+    # scan's backward pass, on each device, before the sum.
+    layers, d = 3, 16
+    params = {"w": random_array(3, (layers, d, d)) * 0.2}
+    tx = qto.projected(
+        optax.scale_by_adam(), rank=2, learning_rate=1e-2, refresh_every=2
+    )
+    x = random_array(4, (4 * 8, d))
+
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])
+        return jnp.mean(h**2)
+
+    with qt.fallback("error"):
+        results, collectives = _data_parallel(loss, params, tx, (x,), "data")
+    _assert_same_gradients(results)
+    assert max(c.operand_bytes for c in collectives) < _weight_bytes(params) / 4

@@ -21,9 +21,14 @@ from ..._core import _validate
 from ..._core._base import densify
 from ..._core._compat import psum_invariant_p, pvary_p, reshard_p
 from ..._core._devices import (
+    axis_size,
+    dense_all_reduce,
+    gather_along,
+    shared_factor,
     vary_leaf,
 )
 from ..._core._fallback import (
+    budget_settings,
     is_vector_shape,
     record_dense_result,
     record_densification,
@@ -458,11 +463,41 @@ def _reshard(x: LowRank, *, dst_sharding: Any, **params: Any) -> LowRank:
 
 
 @rule(psum_invariant_p)
-def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank:
+def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank | Array:
     """The sum over devices that JAX's AD inserts for the cotangent of a value made
     device-varying inside `shard_map` (the transpose of `pvary`): the exact
-    `all_reduce`, which moves one factor when the other is the same everywhere."""
-    return x.all_reduce(tuple(axes))
+    `all_reduce`, which moves one factor when the other is the same everywhere, and
+    otherwise gathers every device's factors, a concatenation under the rank budget
+    (`quax_tangents.rank_budget`). Over it, the default sums the dense values
+    instead (exact, counted): the gathered factors would be larger than the matrix,
+    as every token's factors of a marked weight's gradient are when the devices'
+    batches are large."""
+    axes = tuple(axes)
+    if shared_factor(x, axes) is not None:
+        return x.all_reduce(axes)
+    (m, n), rank = x.shape[-2:], x.rank * axis_size(axes)
+    action, max_rank = budget_settings()
+    if rank * (m + n) < m * n and (max_rank is None or rank <= max_rank):
+        return x.all_reduce(axes)
+    if action == "recompress":
+        left = gather_along(x.left, axes, axis=-1)
+        return within_budget(
+            psum_invariant_p, left, gather_along(x.right, axes, axis=-1)
+        )
+    total = dense_all_reduce(x.materialise(), axes)
+    record_dense_result(
+        psum_invariant_p.name,
+        ("LowRank",),
+        total.shape,
+        f"the sum over {axis_size(axes)} devices of rank-{x.rank} factors has rank "
+        f"{rank}, over the budget for {m}x{n}",
+        "`quax_tangents.all_reduce(x, axis_name, method=quax_tangents.GatherSum())` "
+        "keeps the factors whatever their rank; for a marked weight's gradient in "
+        "data-parallel `shard_map`, pass the mesh axis to "
+        "`quax_tangents.optax.mark(..., axis_name=...)`, so that each device "
+        "projects its own gradient and the sum moves the projected factor only.",
+    )
+    return total
 
 
 @rule(pvary_p)
