@@ -138,7 +138,7 @@ def _psum_invariant(x: OuterSum, *, axes: tuple) -> OuterSum | Array:
     axes = tuple(axes)
     devices = axis_size(axes)
     m, n = x.shape[-2:]
-    if devices * x.left.shape[-1] * (m + n) <= 2 * m * n:
+    if devices == 1 or devices * x.left.shape[-1] * (m + n) <= 2 * m * n:
         return OuterSum(
             gather_along(x.left, axes, axis=-1),
             gather_along(x.right, axes, axis=-1),

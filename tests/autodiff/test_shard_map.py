@@ -388,9 +388,11 @@ def test_projected_all_reduce_without_check_vma_gathers():
 
 def _replicated_weight_problem(rank):
     """A weight to replicate, a batch to split by rows, and an orthonormal projector
-    of `rank` columns for the weight's cotangent."""
+    of `rank` columns for the weight's cotangent. Two rows per device: the sum over
+    the devices of the weight's cotangent terms (gathered, `devices * rows * (m + n)`
+    numbers) receives less than a dense all-reduce of the `m x n` weight's."""
     w = jnp.asarray(_numpy(0, 8, 16))
-    x = jnp.asarray(_numpy(1, 32, 8))
+    x = jnp.asarray(_numpy(1, 8, 8))
     projector = jnp.asarray(np.linalg.qr(_numpy(2, 8, rank))[0])
     return w, x, projector
 

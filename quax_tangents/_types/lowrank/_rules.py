@@ -473,7 +473,7 @@ def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank | Array:
     as every token's factors of a marked weight's gradient are when the devices'
     batches are large."""
     axes = tuple(axes)
-    if shared_factor(x, axes) is not None:
+    if shared_factor(x, axes) is not None or axis_size(axes) == 1:
         return x.all_reduce(axes)
     (m, n), rank = x.shape[-2:], x.rank * axis_size(axes)
     action, max_rank = budget_settings()
