@@ -17,6 +17,7 @@ Cost: the body runs twice (as under `jax.checkpoint`), and the input carry of ev
 iteration is stored.
 """
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ import quax
 
 from .._core import _fallback
 from .._core._compat import scan_counts
-from .._core._devices import device_varying
+from .._core._devices import axes_of, dense_all_reduce, device_varying
 from .._core._layout import constrain, drop_leading, explicit_sharding
 from .._core._sharding import varying_axes
 from . import _cotangents
@@ -220,6 +221,13 @@ def _backward(
     for i, total in zip(pushed, running):
         result[i] = _stacked_projection(projected[i][1][0], total, arrays[i])
     for i, basis, factor in zip(paired, bases, factors):
+        summed = projected[i][0].axis_name
+        axes = frozenset(axes_of(summed) if summed is not None else ())
+        axes = (axes & varying_axes(factor)) - varying_axes(arrays[i])
+        if axes:
+            # A replicated stack's gradient: the layers' factors summed over the
+            # devices, with the projectors they share (`_summed_over_data_axes`).
+            factor = dense_all_reduce(factor, tuple(sorted(axes, key=str)))
         result[i] = _stacked_projection(basis, factor, arrays[i])
     for i, ct in zip(carry_diff, ct_k):
         result[nc + i] = ct
@@ -425,6 +433,7 @@ def scan_with_projected_xs(
             count = len(e.operands)
             projected[i] = (e.spec, tuple(extra[start : start + count]))
             start += count
+        projected = _summed_over_data_axes(projected, arrays, cts)
         result = _backward(
             body, metas, nc, nk, options, arrays, carries, cts, projected
         )
@@ -432,6 +441,23 @@ def scan_with_projected_xs(
 
     scanned.defvjp(scanned_fwd, scanned_bwd)
     return scanned(*arrays, *extras)
+
+
+def _summed_over_data_axes(projected: dict, arrays: list, cts: list) -> dict:
+    """Inside `shard_map`, a replicated stack whose layers' cotangents vary over
+    mesh axes (the devices' own data): JAX's gradient of it is their sum over those
+    axes. A projection given or kept is the same either side of the sum; a fresh
+    projector is found from the summed gradient when its range finder's products
+    are summed (`Finish.axis_name`), and the layers' factors are summed after the
+    scan (`_backward`). Marks into a running sum are left as they are."""
+    varying = frozenset().union(*map(varying_axes, [*arrays, *cts]))
+    out = dict(projected)
+    for i, (spec, operands) in projected.items():
+        extra = varying - varying_axes(arrays[i])
+        if extra and not spec.source.into and spec.axis_name is None:
+            axes = tuple(sorted(extra, key=str))
+            out[i] = (dataclasses.replace(spec, axis_name=axes), operands)
+    return out
 
 
 def _projector_left(w: Any) -> bool:

@@ -27,7 +27,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, ArrayLike
 
 from .._core import _sharding
-from .._core._devices import dense_all_reduce
+from .._core._devices import axes_of, dense_all_reduce
 from .._core._fallback import record_densification
 from .._core._layout import constrain, drop_leading
 from .._core._registry import rule
@@ -175,7 +175,15 @@ def _range_basis(
 
 
 def _summed(product: Callable, axis_name: Any) -> Callable:
-    return lambda x: dense_all_reduce(product(x), axis_name)
+    """`product`, summed over the axes of `axis_name` that its result varies over
+    (a cotangent already summed over the devices is the same on each)."""
+
+    def summed(x: Array) -> Array:
+        y = product(x)
+        axes = tuple(a for a in axes_of(axis_name) if a in _sharding.varying_axes(y))
+        return dense_all_reduce(y, axes) if axes else y
+
+    return summed
 
 
 def sketch_width(shape: tuple[int, int], rank: int, oversample: int) -> int:

@@ -143,13 +143,15 @@ class LowRank(CompressedArray):
         # ones. A factor that JAX types as the same on every device (a projector passed
         # in replicated) factors out of the sum: all-reduce only the other one.
         shared = shared_factor(self, axis_name)
+        # A projection summed over its shared projector is still one.
+        side = self.projector_side if self.projector_side == shared else None
         if shared == "left":
             return _lowrank(
-                self.left, dense_all_reduce(self.right, axis_name, mean=mean)
+                self.left, dense_all_reduce(self.right, axis_name, mean=mean), side
             )
         if shared == "right":
             return _lowrank(
-                dense_all_reduce(self.left, axis_name, mean=mean), self.right
+                dense_all_reduce(self.left, axis_name, mean=mean), self.right, side
             )
         # Exact: every device's factors side by side, rank `devices * r`.
         left = gather_along(self.left, axis_name, axis=-1)
