@@ -208,7 +208,8 @@ def mark(
         JAX's differentiation takes of a replicated weight's gradient (the
         transpose of the `pvary` it inserts where the weight meets the device's
         data) moves the projected factor only: an all-reduce of `(m, rank)` per
-        matrix, whatever the batch. Without it the sum comes first, of the
+        projected matrix, whatever the batch (leaves chosen with `rows=` are
+        summed as without it). Without it the sum comes first, of the
         gradient's unprojected factors (every token's input and output
         cotangents), and the projection after. The gradient is the same: JAX's own
         sum over the devices (take `lax.pmean` of the loss for the mean). Give it
@@ -241,8 +242,8 @@ def mark(
         # Varying before the mark: the sum over devices (its transpose) then comes
         # after the mark's projection in the backward pass.
         leaves = [
-            leaf if plan is None or leaf is None else device_varying(leaf, axis_name)
-            for leaf, plan in zip(leaves, plans)
+            device_varying(leaf, axis_name) if i in key_of else leaf
+            for i, leaf in enumerate(leaves)
         ]
     marked = [
         _mark_leaf(
