@@ -202,6 +202,20 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_marks_data_parallel_benchmark_quick(tmp_path):
+    # 8 host devices: the marks without `axis_name` receive what the dense
+    # gradient does (its sum, counted), with `axis_name` the projected factors only.
+    text = _run_quick("bench_marks_data_parallel.py", tmp_path / "marks.md")
+    rows = re.findall(r"^\| `(.+)` \| ([0-9.]+) \| [0-9.]+ \| (\d+) \|$", text, re.M)
+    received = {name: (float(mib), int(count)) for name, mib, count in rows}
+    dense = received["jax.value_and_grad"]
+    with_axis = received['qto.mark(params, state, axis_name="data")']
+    assert len(received) == 3 and dense[1] == 0, text
+    assert with_axis[1] == 0 and with_axis[0] < dense[0] / 4, text
+    assert received["qto.mark(params, state)"][1] > 0, text
+
+
+@pytest.mark.slow
 def test_data_parallel_benchmark_quick(tmp_path):
     # 60M on 8 host devices: every arm compiles, and `qto.galore` inside
     # `shard_map` receives fewer bytes per step than either Adam, and fewer than

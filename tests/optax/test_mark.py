@@ -482,6 +482,13 @@ def _data_parallel(loss, params, tx, batch, axis_name, steps=2):
     return results, collectives
 
 
+def test_mark_axis_name_must_be_bound():
+    params = {"w": jnp.ones((8, 6))}
+    tx = qto.projected(optax.scale_by_adam(), rank=2, learning_rate=1e-2)
+    with pytest.raises(NameError, match="axis_name='data'.*inside the body"):
+        qto.mark(params, tx.init(params), axis_name="data")
+
+
 def _linear_setup(tokens_per_device):
     params = {"w": random_array(0, (64, 48)) * 0.1, "b": jnp.zeros(48)}
     tx = qto.projected(
