@@ -1,5 +1,6 @@
 """Data parallel with the marks written by hand, on an 8-chip slice: the bytes each
-chip receives per step for the gradient of a scanned stack of layers.
+chip receives per step for the gradient of an embedding and a scanned stack of
+layers.
 
 Inside `jax.shard_map`, with the weights replicated and the batch split over the
 chips, three ways to take the gradient of the mean loss (`lax.pmean`):
@@ -12,9 +13,11 @@ chips, three ways to take the gradient of the mean loss (`lax.pmean`):
 - `qto.mark(params, state, axis_name="data")`: each chip projects its own gradient,
     and the sum moves the projected factors only.
 
-The model is a stack of MLP layers under `lax.scan` (`h + gelu(h @ up) @ down`,
-bfloat16 weights, `qto.projected(optax.scale_by_adam(), rank=RANK)` on both
-stacks). Bytes come from the compiled program's collectives (`qt.hlo.collectives`,
+The model is an embedding table read at each chip's tokens, then a stack of MLP
+layers under `lax.scan` (`h + gelu(h @ up) @ down`), bfloat16 weights;
+`qto.projected(optax.scale_by_adam(), rank=RANK)` projects both stacks and updates
+the table by rows (`rows=`: its gradient is a `SparseRows` of the rows read, which
+the sum over chips gathers while that receives less than a dense all-reduce). Bytes come from the compiled program's collectives (`qt.hlo.collectives`,
 `qt.hlo.received_bytes`) on a step that keeps the projectors (every switch on its
 branch 0). Each step is compiled ahead of time for the slice, never run.
 
@@ -55,16 +58,17 @@ import quax_tangents as qt
 import quax_tangents.optax as qto
 
 
-# (layers, width, hidden, tokens per chip, rank)
-SIZES = (4, 1024, 4096, 2048, 128)
-QUICK_SIZES = (2, 64, 256, 64, 8)
+# (layers, width, hidden, tokens per chip, rank, vocabulary)
+SIZES = (4, 1024, 4096, 2048, 128, 32000)
+QUICK_SIZES = (2, 64, 256, 64, 8, 4096)
 
 
-def _loss(params, x):
+def _loss(params, tokens):
     def layer(h, w):
         up, down = w
         return h + jax.nn.gelu(h @ up) @ down, None
 
+    x = params["embed"][tokens]
     h, _ = jax.lax.scan(layer, x, (params["up"], params["down"]))
     return jnp.mean(h.astype(jnp.float32) ** 2)
 
@@ -94,7 +98,7 @@ ARMS = {
 
 def measure(target: str, sizes: tuple) -> list[tuple[str, float, int]]:
     """Per arm: MiB one chip receives per step, and densifications counted."""
-    layers, width, hidden, tokens, rank = sizes
+    layers, width, hidden, tokens, rank, vocab = sizes
     mesh = jax.make_mesh(
         (DEVICES,), ("data",), devices=target_devices(target, DEVICES)[:DEVICES]
     )
@@ -107,15 +111,20 @@ def measure(target: str, sizes: tuple) -> list[tuple[str, float, int]]:
         )
 
     params = {
+        "embed": jax.ShapeDtypeStruct((vocab, width), jnp.bfloat16),
         "up": jax.ShapeDtypeStruct((layers, width, hidden), jnp.bfloat16),
         "down": jax.ShapeDtypeStruct((layers, hidden, width), jnp.bfloat16),
     }
-    tx = qto.projected(optax.scale_by_adam(), rank=rank, learning_rate=1e-3)
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=rank,
+        learning_rate=1e-3,
+        project=lambda p: {"embed": False, "up": True, "down": True},
+        rows=lambda p: {"embed": True, "up": False, "down": False},
+    )
     state = jax.eval_shape(tx.init, params)
     x = jax.ShapeDtypeStruct(
-        (DEVICES * tokens, width),
-        jnp.bfloat16,
-        sharding=NamedSharding(mesh, P("data")),
+        (DEVICES * tokens,), jnp.int32, sharding=NamedSharding(mesh, P("data"))
     )
     rows = []
     for name, fn in ARMS.items():
@@ -145,7 +154,7 @@ def main() -> None:
     load_at_start = os.getloadavg()
     sizes = QUICK_SIZES if args.quick else SIZES
     rows = measure(args.target, sizes)
-    layers, width, hidden, tokens, rank = sizes
+    layers, width, hidden, tokens, rank, vocab = sizes
     backend = args.target + (
         "" if args.target == "cpu" else ", compiled ahead of time, no TPU attached"
     )
@@ -157,10 +166,11 @@ def main() -> None:
         *produced_by(f"Data parallel with the marks, {args.target}"),
         *environment(packages, backend, load_at_start),
         "",
-        f"{DEVICES} devices; {layers} layers of `up` `({width}, {hidden})` and "
-        f"`down` `({hidden}, {width})`, bfloat16, under `lax.scan`; {tokens} tokens "
-        f"per device; rank {rank}. Received: MiB per device per step, on a step "
-        "that keeps the projectors.",
+        f"{DEVICES} devices; an embedding `({vocab}, {width})` (`rows=`), then "
+        f"{layers} layers of `up` `({width}, {hidden})` and `down` `({hidden}, "
+        f"{width})`, bfloat16, under `lax.scan`; {tokens} tokens per device; rank "
+        f"{rank}. Received: MiB per device per step, on a step that keeps the "
+        "projectors.",
         "",
         "| gradient | received MiB | ÷ dense | densified |",
         "|---|---:|---:|---:|",

@@ -203,8 +203,9 @@ def test_eigh_benchmark_quick(tmp_path):
 
 @pytest.mark.slow
 def test_marks_data_parallel_benchmark_quick(tmp_path):
-    # 8 host devices: the marks without `axis_name` receive what the dense
-    # gradient does (its sum, counted), with `axis_name` the projected factors only.
+    # 8 host devices: the marks without `axis_name` sum the stacks' dense
+    # gradients (counted); with `axis_name` the projected factors only, and with
+    # or without it the embedding's rows read, not its table.
     text = _run_quick("bench_marks_data_parallel.py", tmp_path / "marks.md")
     rows = re.findall(r"^\| `(.+)` \| ([0-9.]+) \| [0-9.]+ \| (\d+) \|$", text, re.M)
     received = {name: (float(mib), int(count)) for name, mib, count in rows}

@@ -489,8 +489,9 @@ def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
         finish_p.name,
         ("Marked",),
         "the marked weight's total cotangent is dense",
-        "A use of the weight other than a matmul made it so (counted under that "
-        "use's own primitive, with what to change).",
+        "A use of the weight other than a matmul, or a sum over devices of its "
+        "gradient (`psum_invariant`, inside `shard_map`), made it so: counted under "
+        "that primitive too, with what to change.",
     )
     if spec.kind != "projected":
         return ct

@@ -4,6 +4,7 @@ embedding table that a batch reads a few rows of.
 Every rule this representation registers lives in this file.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,8 +18,8 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import _validate
 from .._core._base import CompressedArray, densify, install_guard
-from .._core._compat import reshard_p
-from .._core._devices import axis_size, gather_along
+from .._core._compat import psum_invariant_p, pvary_p, reshard_p
+from .._core._devices import axis_size, dense_all_reduce, gather_along, vary_leaf
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -357,7 +358,53 @@ def _add_dense_left(y: ArrayLike, x: SparseRows) -> Array:
 
 
 # ---------------------------------------------------------------------------------------
-# Sharding (explicit mesh axes)
+# Sums over devices and sharding (explicit mesh axes)
+
+
+def _gather_is_cheaper(x: SparseRows, devices: int) -> bool:
+    """Whether each device receives no more gathering every device's stored rows
+    (and their row numbers) than a ring all-reduce of the dense table, which
+    receives about twice the table."""
+    row_bytes = math.prod(x.row_shape) * x.dtype.itemsize
+    gathered = devices * x.k * (row_bytes + jnp.dtype(_INDEX_DTYPE).itemsize)
+    return gathered <= 2 * x.num_rows * row_bytes
+
+
+@rule(pvary_p)
+def _pvary(x: SparseRows, *, axes: tuple) -> SparseRows:
+    """Typed as varying over `axes` (inside `shard_map`: a replicated gradient meeting
+    a device-varying value): its row numbers and rows are. The values are
+    unchanged."""
+    axes = tuple(axes)
+    return SparseRows.build(
+        vary_leaf(x.indices, axes), vary_leaf(x.rows, axes), x.num_rows
+    )
+
+
+@rule(psum_invariant_p)
+def _psum_invariant(x: SparseRows, *, axes: tuple) -> SparseRows | Array:
+    """The sum over devices that JAX's AD inserts for the cotangent of a replicated
+    table read at device-varying rows inside `shard_map` (an embedding's gradient
+    in data parallel): every device's stored rows side by side, exact.
+
+    Where that would receive more than a dense all-reduce of the table (each
+    device reads a large share of its rows), the dense tables are summed instead,
+    exact and counted."""
+    axes = tuple(axes)
+    devices = axis_size(axes)
+    if devices == 1 or _gather_is_cheaper(x, devices):
+        return x.all_reduce(axes)
+    total = dense_all_reduce(x.materialise(), axes)
+    record_densification(
+        psum_invariant_p.name,
+        ("SparseRows",),
+        f"gathering {devices} devices' {x.k} stored rows of a table of "
+        f"{x.num_rows} rows would receive more than a dense all-reduce of it",
+        "The dense sum is the cheaper exact one here (each device reads a large "
+        "share of the table's rows); hide this with "
+        "`quax_tangents.fallback('silent')`.",
+    )
+    return total
 
 
 @rule(reshard_p, dense_output=True)

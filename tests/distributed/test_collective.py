@@ -216,6 +216,47 @@ def test_lax_psum_under_quax_with_check_vma():
         on_mesh(sparse_body, P(AXIS), P())(split(xs))
 
 
+def _rows_per_device(k, num_rows=16, row_size=3):
+    rng = np.random.default_rng(k)
+    indices = rng.integers(0, num_rows, (DEVICES, k))
+    rows = rng.standard_normal((DEVICES, k, row_size)).astype(np.float32)
+    return indices, rows, num_rows
+
+
+def _psum_of_rows(num_rows):
+    def body(indices, rows):
+        table = qt.SparseRows.build(indices[0], rows[0], num_rows)
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(table)
+
+    return body
+
+
+@needs_devices
+@pytest.mark.parametrize("k", [2, 8])
+def test_lax_psum_of_sparse_rows_gathers_the_rows_while_cheaper(k):
+    """The sum JAX inserts for an embedding's gradient in data parallel: every
+    device's stored rows side by side while that receives no more than a dense
+    all-reduce of the table (here `4 * 2 * (3 * 4 + 4) <= 2 * 16 * 3 * 4`); beyond
+    it (`k=8`), the dense sum, exact and counted."""
+    indices, rows, num_rows = _rows_per_device(k)
+    expected = sum(
+        qt.SparseRows(i, r, num_rows).materialise() for i, r in zip(indices, rows)
+    )
+    body = _psum_of_rows(num_rows)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        out = on_mesh(body, (P(AXIS), P(AXIS)), P())(split(indices), split(rows))
+    assert_close(qt.materialise(out), expected)
+    gathered = k == 2
+    assert isinstance(out, qt.SparseRows) == gathered
+    if gathered:
+        assert out.k == DEVICES * k and qt.fallback_counts() == {}
+    else:
+        assert qt.fallback_counts() == {("psum_invariant", "SparseRows"): 1}
+        with qt.fallback("error"), pytest.raises(qt.DensificationError, match="rows"):
+            on_mesh(body, (P(AXIS), P(AXIS)), P())(split(indices), split(rows))
+
+
 @needs_devices
 def test_lax_psum_under_quax_densifies_without_check_vma():
     xs = _per_device_matrices()

@@ -1,8 +1,8 @@
 """Property-test cases of the rules for sharding and device sums (`reshard` of
 LowRank, OuterSum, SparseRows and a marked weight, `psum_invariant` and `pvary` of
-LowRank, `pvary` of a marked weight, `psum_invariant` of an OuterSum), on a mesh of
-one device so that they run in any process. The
-multi-device runs are in `tests/autodiff/test_shard_map.py`. Nothing here touches
+LowRank and SparseRows, `pvary` of a marked weight, `psum_invariant` of an
+OuterSum), on a mesh of one device so that they run in any process. The multi-device
+runs are in `tests/autodiff/test_shard_map.py`. Nothing here touches
 devices at import: the mesh is made when a case is drawn."""
 
 import functools as ft
@@ -57,7 +57,7 @@ def _on_one_device(body, x):
 
 def _summed_over_devices(x):
     """`x` scaled by a device-varying scalar, then summed over the one device: the
-    scalar varies, so `lax.psum` binds `psum_invariant` on the LowRank."""
+    scalar varies, so `lax.psum` binds `psum_invariant` on the compressed value."""
 
     def body(a):
         return lax.psum(a * (lax.axis_index(AXIS) + 1).astype(a.dtype), AXIS)
@@ -69,6 +69,14 @@ def _summed_over_devices(x):
 def _psum_invariant():
     return lowrank_values(batch_dims=0).map(
         lambda x: Case(_summed_over_devices, (x,), x.dtype, qt.LowRank)
+    )
+
+
+@case("psum_invariant", "SparseRows")
+def _psum_invariant_rows():
+    # A stacked table's rows too: every slice's stored rows are gathered.
+    return rows_values().map(
+        lambda x: Case(_summed_over_devices, (x,), x.dtype, qt.SparseRows)
     )
 
 
@@ -86,6 +94,11 @@ def _pvary():
     return lowrank_values(batch_dims=0).map(
         lambda x: Case(_varied, (x,), x.dtype, qt.LowRank)
     )
+
+
+@case("pvary", "SparseRows")
+def _pvary_rows():
+    return rows_values().map(lambda x: Case(_varied, (x,), x.dtype, qt.SparseRows))
 
 
 def _marked_varied(w):

@@ -579,3 +579,35 @@ def test_marks_in_shard_map_on_a_scanned_stack(axis_name):
     _assert_same_gradients(results)
     if axis_name is not None:
         assert max(c.operand_bytes for c in collectives) < _weight_bytes(params) / 4
+
+
+@skip_without_devices(4)
+@pytest.mark.parametrize("axis_name", ["data", None])
+def test_marks_in_shard_map_keep_an_embeddings_gradient_rows(axis_name):
+    # A replicated table read at each device's tokens (`rows=`): JAX's sum over
+    # the devices of its gradient gathers the rows read, a few per device, instead
+    # of summing tables; the projected weight beside it as in the tests above.
+    params = {"embed": random_array(5, (64, 16)), "w": random_array(6, (16, 12))}
+    tx = qto.projected(
+        optax.scale_by_adam(),
+        rank=2,
+        learning_rate=1e-2,
+        refresh_every=2,
+        project=lambda p: {"embed": False, "w": True},
+        rows=lambda p: {"embed": True, "w": False},
+    )
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 64, 4 * 2))
+
+    def loss(p, tokens):
+        return jnp.mean(jnp.tanh(p["embed"][tokens] @ p["w"]) ** 2)
+
+    qt.reset_fallback_counts()
+    with qt.fallback("error" if axis_name else "silent"):
+        results, collectives = _data_parallel(loss, params, tx, (tokens,), axis_name)
+    _assert_same_gradients(results)
+    for (_, grads), _ in results:
+        assert isinstance(grads["embed"], qt.SparseRows)
+        assert grads["embed"].k == 4 * 2
+    table = params["embed"].size * params["embed"].dtype.itemsize
+    assert max(c.operand_bytes for c in collectives) < table / 4
+    assert ("psum_invariant", "SparseRows") not in qt.fallback_counts()
