@@ -39,8 +39,11 @@ from ._core._checkpoint import (
 from ._core._deprecation import Alias as _Alias, resolve_alias as _resolve_alias
 from ._core._devices import device_varying as device_varying
 from ._core._fallback import (
+    BudgetAction as BudgetAction,
     DensificationError as DensificationError,
     DensificationWarning as DensificationWarning,
+    Densify as Densify,
+    Recompress as Recompress,
     fallback as fallback,
     fallback_counts as fallback_counts,
     fallback_mode as fallback_mode,
@@ -89,6 +92,7 @@ __version__ = _metadata.version("quax-tangents")
 
 __all__ = [
     "all_reduce",
+    "BudgetAction",
     "Cheapest",
     "ChunkCompressor",
     "compress",
@@ -96,6 +100,7 @@ __all__ = [
     "CompressedArray",
     "DensificationError",
     "DensificationWarning",
+    "Densify",
     "device_varying",
     "differentiable",
     "Differentiable",
@@ -130,6 +135,7 @@ __all__ = [
     "Quantized",
     "rank_budget",
     "rank_budget_counts",
+    "Recompress",
     "reduce_scatter",
     "reset_fallback_counts",
     "sign_norm",

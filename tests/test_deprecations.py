@@ -7,6 +7,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+import quax
 
 import quax_tangents as qt
 
@@ -153,3 +154,31 @@ def test_forward_grad_directions_are_strategies(old, new):
         jnp.array_equal, qt.materialise(deprecated), qt.materialise(current)
     )
     assert jax.tree.all(same)
+
+
+@pytest.mark.parametrize(
+    "old, new", [("densify", "Densify"), ("recompress", "Recompress")]
+)
+def test_rank_budget_names_are_strategies(old, new):
+    a = qt.low_rank(jnp.linspace(-1.0, 1.0, 48).reshape(8, 6), 3)
+    b = qt.low_rank(jnp.cos(jnp.arange(48.0)).reshape(8, 6), 3)
+    results = []
+    for action in (old, getattr(qt, new)()):
+        qt.reset_fallback_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with qt.rank_budget(action), qt.fallback("silent"):
+                out = quax.quaxify(jax.lax.add)(a, b)
+        deprecations = [w for w in caught if w.category is DeprecationWarning]
+        if isinstance(action, str):
+            assert [w.filename for w in deprecations] == [__file__]
+            assert f"use `rank_budget(qt.{new}())`" in str(deprecations[0].message)
+        else:
+            assert deprecations == []
+        counts = (qt.fallback_counts(), qt.rank_budget_counts())
+        results.append((type(out), qt.materialise(out), counts))
+    (old_type, old_out, old_counts), (new_type, new_out, new_counts) = results
+    assert old_type is new_type and old_counts == new_counts
+    assert jnp.array_equal(old_out, new_out)
+    # Rank 6 of an 8x6 matrix is over the budget: the action decides.
+    assert (new_type is qt.LowRank) == (new == "Recompress")

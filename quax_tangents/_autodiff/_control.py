@@ -8,7 +8,7 @@ Two things go wrong with quax's own handling of these for compressed tangents:
   whenever the body holds one.
 - Branches and loop carries that disagree in type or rank fail late (a lowering error,
   or a carry-type error). Here branches are joined, and a growing carry is either
-  truncated back (under `rank_budget("recompress")`) or rejected with an error that
+  truncated back (under `rank_budget(qt.Recompress())`) or rejected with an error that
   names the carry.
 """
 

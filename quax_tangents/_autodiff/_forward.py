@@ -238,11 +238,7 @@ _STRATEGY_OF_NAME = {
 def _strategy(directions: Any, rank: Any, k: Any) -> Directions:
     """`directions` as a strategy, after a warning for each deprecated spelling
     (a name for `directions`, `rank=`, `k=`)."""
-    if isinstance(directions, type) and directions in _DIRECTION_TYPES:
-        raise TypeError(
-            "`directions` must be an instance: "
-            f"`qt.{directions.__name__}()`, not the class."
-        )
+    _validate.check_not_a_class("directions", directions, _DIRECTION_TYPES, "qt.")
     old = []
     if isinstance(directions, str) and directions in _STRATEGY_OF_NAME:
         old.append(f"directions={directions!r}")

@@ -1,7 +1,7 @@
 """Old public names, kept for one release: each use warns and names its replacement."""
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 
@@ -27,6 +27,22 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     warnings.warn(
         deprecation_message(old, new), DeprecationWarning, stacklevel=stacklevel
     )
+
+
+def strategy_of_name(
+    value: Any, strategies: Mapping[str, type], *, old: str, new: str, stacklevel: int
+) -> Any:
+    """The strategy that a deprecated name in `strategies` stands for, as an
+    instance, after a warning that `old` is deprecated for `new` (in which `{}` is
+    the strategy's class name); any other `value` unchanged.
+
+    `stacklevel` is as for `warn_deprecated`, counted from the caller of this
+    function."""
+    if not isinstance(value, str) or value not in strategies:
+        return value
+    strategy = strategies[value]
+    warn_deprecated(old, new.format(strategy.__name__), stacklevel=stacklevel + 1)
+    return strategy()
 
 
 class Alias(NamedTuple):

@@ -17,11 +17,34 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Literal
 
+import equinox as eqx
+
+from ._deprecation import strategy_of_name
+from ._validate import check_not_a_class
+
 
 FallbackMode = Literal["warn", "error", "silent"]
-BudgetAction = Literal["densify", "recompress"]
 _MODES = ("warn", "error", "silent")
-_ACTIONS = ("densify", "recompress")
+
+
+class BudgetAction(eqx.Module):
+    """What a `LowRank` whose rank goes over the budget becomes (see
+    [`quax_tangents.rank_budget`][]): [`quax_tangents.Densify`][] or
+    [`quax_tangents.Recompress`][]."""
+
+
+class Densify(BudgetAction):
+    """Over the rank budget, the exact dense array: counted as a densification, and
+    subject to the fallback mode ([`quax_tangents.fallback`][]). The default."""
+
+
+class Recompress(BudgetAction):
+    """Over the rank budget, a truncated SVD of the factors to the largest rank
+    within the budget: the best approximation of that rank, so lossy. Counted in
+    [`quax_tangents.rank_budget_counts`][]."""
+
+
+_ACTION_OF_NAME = {"densify": Densify, "recompress": Recompress}
 
 
 class DensificationError(RuntimeError):
@@ -35,7 +58,7 @@ class DensificationWarning(UserWarning):
 class _Settings(threading.local):
     def __init__(self) -> None:
         self.mode: FallbackMode = "warn"
-        self.budget_action: BudgetAction = "densify"
+        self.budget_action: BudgetAction = Densify()
         self.max_rank: int | None = None
         self.dry_run: bool = False
 
@@ -75,7 +98,9 @@ def fallback(mode: FallbackMode) -> Iterator[None]:
 
 @contextlib.contextmanager
 def rank_budget(
-    action: BudgetAction = "densify", *, max_rank: int | None = None
+    action: BudgetAction | str = Densify(),  # noqa: B008 (immutable)
+    *,
+    max_rank: int | None = None,
 ) -> Iterator[None]:
     """Sets what happens when concatenating `LowRank` factors exceeds the budget.
 
@@ -84,19 +109,21 @@ def rank_budget(
 
     **Arguments:**
 
-    - `action`: `"densify"` (exact; counted as a densification and subject to the
-        fallback mode) or `"recompress"` (lossy; a truncated SVD of the factors to the
-        largest rank within budget, the best approximation of that rank; counted in
-        `rank_budget_counts()`).
+    - `action`: [`quax_tangents.Densify()`][quax_tangents.Densify] (exact; counted as
+        a densification and subject to the fallback mode) or
+        [`quax_tangents.Recompress()`][quax_tangents.Recompress] (lossy; a truncated
+        SVD of the factors to the largest rank within budget, the best approximation
+        of that rank; counted in `rank_budget_counts()`).
     - `max_rank`: an optional hard cap on the rank.
 
     **Returns:**
 
     A context manager.
     """
-    if action not in _ACTIONS:
-        raise ValueError(f"`action` must be one of {_ACTIONS}, got {action!r}.")
-    if max_rank is not None and (not isinstance(max_rank, int) or max_rank < 1):
+    action = _budget_action(action)
+    if max_rank is not None and (
+        isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1
+    ):
         raise ValueError(
             f"`max_rank` must be a positive int or None, got {max_rank!r}."
         )
@@ -106,6 +133,24 @@ def rank_budget(
         yield
     finally:
         _settings.budget_action, _settings.max_rank = previous
+
+
+def _budget_action(action: object) -> BudgetAction:
+    """`action` as a strategy instance, after a warning for a deprecated name."""
+    action = strategy_of_name(
+        action,
+        _ACTION_OF_NAME,
+        old=f"rank_budget({action!r})",
+        new="rank_budget(qt.{}())",
+        stacklevel=5,  # the user's `with`, through `contextlib` and the generator
+    )
+    check_not_a_class("action", action, BudgetAction, "quax_tangents.")
+    if not isinstance(action, BudgetAction):
+        raise ValueError(
+            "`action` must be `quax_tangents.Densify()` or "
+            f"`quax_tangents.Recompress()`, got {action!r}."
+        )
+    return action
 
 
 @contextlib.contextmanager

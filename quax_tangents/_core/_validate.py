@@ -98,6 +98,19 @@ def check_non_negative_int(name: str, value: Any) -> int:
     return value
 
 
+def check_not_a_class(
+    name: str, value: Any, strategies: type | tuple[type, ...], prefix: str
+) -> None:
+    """A `TypeError` naming the instance to pass, where the class of a strategy was
+    passed for `name` (`qt.Recompress` for `qt.Recompress()`); `prefix` is how the
+    message spells its module (`"qt."`)."""
+    if isinstance(value, type) and issubclass(value, strategies):
+        raise TypeError(
+            f"`{name}` must be an instance: `{prefix}{value.__name__}()`, not the "
+            "class."
+        )
+
+
 def check_ndim(name: str, x: Any, minimum: int) -> None:
     if jnp.ndim(x) < minimum:
         raise ValueError(

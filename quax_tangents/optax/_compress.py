@@ -13,9 +13,9 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._core._base import ChunkCompressor, CompressedArray
-from .._core._deprecation import warn_deprecated
+from .._core._deprecation import strategy_of_name, warn_deprecated
 from .._core._devices import axis_is_bound, axis_size, device_varying
-from .._core._validate import values_unchecked
+from .._core._validate import check_not_a_class, values_unchecked
 from .._distributed._collective import GatherSum, PowerSum, all_reduce
 from .._distributed._scatter import (
     TwoPhase,
@@ -453,19 +453,14 @@ def _check_modes(axis_name, two_phase, sharded, error_feedback, error_dtype) -> 
 
 def _feedback(error_feedback: Any) -> Feedback:
     """`error_feedback` as a strategy, after a warning for a deprecated name."""
-    if isinstance(error_feedback, str) and error_feedback in _FEEDBACK_OF_NAME:
-        strategy = _FEEDBACK_OF_NAME[error_feedback]
-        warn_deprecated(
-            f"compress_updates(error_feedback={error_feedback!r})",
-            f"compress_updates(error_feedback=qto.{strategy.__name__}())",
-            stacklevel=4,
-        )
-        return strategy()
-    if isinstance(error_feedback, type) and error_feedback in (ErrorFeedback, EF21):
-        raise TypeError(
-            "`error_feedback` must be an instance: "
-            f"`qto.{error_feedback.__name__}()`, not the class."
-        )
+    error_feedback = strategy_of_name(
+        error_feedback,
+        _FEEDBACK_OF_NAME,
+        old=f"compress_updates(error_feedback={error_feedback!r})",
+        new="compress_updates(error_feedback=qto.{}())",
+        stacklevel=4,
+    )
+    check_not_a_class("error_feedback", error_feedback, (ErrorFeedback, EF21), "qto.")
     if error_feedback is None or isinstance(error_feedback, (ErrorFeedback, EF21)):
         return error_feedback
     raise TypeError(f"`error_feedback` must be {_FEEDBACKS}, got {error_feedback!r}.")

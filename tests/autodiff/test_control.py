@@ -168,7 +168,7 @@ def test_growing_carry_names_the_carry(loop, name):
 @pytest.mark.parametrize("loop", [_growing, _growing_while])
 def test_growing_carry_is_truncated_under_recompress(loop):
     qt.reset_fallback_counts()
-    with qt.rank_budget("recompress"), qt.fallback("error"):
+    with qt.rank_budget(qt.Recompress()), qt.fallback("error"):
         out = quax.quaxify(loop)(LR2, LR1)
     assert isinstance(out, qt.LowRank) and out.rank == 1
     # Every step adds the same rank-1 term to a rank-1 carry, so the best rank-1

@@ -93,7 +93,7 @@ def test_residual_rank_growth_hits_the_budget_and_stays_exact():
 
 def test_residual_rank_growth_under_recompress_keeps_the_rank_capped():
     tangents = [qt.low_rank(random_array(40 + i, (16, 16)), 1) for i in range(6)]
-    with qt.rank_budget("recompress", max_rank=3), qt.fallback("error"):
+    with qt.rank_budget(qt.Recompress(), max_rank=3), qt.fallback("error"):
         _, tangent = qt.jvp(residual_stack, (RES_WEIGHTS,), (tangents,))
     assert isinstance(tangent, qt.LowRank) and tangent.rank <= 3
     _, ref = jax.jvp(residual_stack, (RES_WEIGHTS,), (qt.materialise(tangents),))

@@ -199,7 +199,7 @@ def test_lax_psum_under_quax_with_check_vma():
     assert qt.fallback_counts() == {("psum_invariant", "LowRank"): 1}
     with qt.fallback("error"), pytest.raises(qt.DensificationError, match="GatherSum"):
         on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
-    with qt.rank_budget("recompress"):
+    with qt.rank_budget(qt.Recompress()):
         out = on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
     assert isinstance(out, qt.LowRank) and out.rank < DEVICES * 2
 

@@ -280,7 +280,7 @@ def test_a_projected_table_read_by_a_gather_is_told_about_rows():
     messages = {str(w.message).split("`")[1]: w for w in caught}
     assert "give it to `rows=`" in str(messages["gather"].message)
     assert messages["gather"].filename == __file__
-    assert "that use's own primitive" in str(messages["finish"].message)
+    assert "counted under that primitive too" in str(messages["finish"].message)
 
 
 def test_two_matmuls_of_one_weight_add_up_without_densifying():

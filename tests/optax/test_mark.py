@@ -489,15 +489,20 @@ def test_mark_axis_name_must_be_bound():
         qto.mark(params, tx.init(params), axis_name="data")
 
 
-def _linear_setup(tokens_per_device):
-    params = {"w": random_array(0, (64, 48)) * 0.1, "b": jnp.zeros(48)}
-    tx = qto.projected(
+def _refreshed_every_other_step(rank, **selection):
+    """Adam on projected gradients, a refresh step then one that keeps them."""
+    return qto.projected(
         optax.scale_by_adam(),
-        rank=4,
+        rank=rank,
         learning_rate=1e-2,
         refresh_every=2,
-        project=lambda p: {"w": True, "b": False},
+        **selection,
     )
+
+
+def _linear_setup(tokens_per_device):
+    params = {"w": random_array(0, (64, 48)) * 0.1, "b": jnp.zeros(48)}
+    tx = _refreshed_every_other_step(4, project=lambda p: {"w": True, "b": False})
     x = random_array(1, (4 * tokens_per_device, 64))
     y = random_array(2, (4 * tokens_per_device, 48))
 
@@ -565,9 +570,7 @@ def test_marks_in_shard_map_on_a_scanned_stack(axis_name):
     # stack, its range finder's products summed on a refresh step).
     layers, d = 3, 16
     params = {"w": random_array(3, (layers, d, d)) * 0.2}
-    tx = qto.projected(
-        optax.scale_by_adam(), rank=2, learning_rate=1e-2, refresh_every=2
-    )
+    tx = _refreshed_every_other_step(2)
     x = random_array(4, (4 * 8, d))
 
     def loss(p, x):
@@ -588,11 +591,8 @@ def test_marks_in_shard_map_keep_an_embeddings_gradient_rows(axis_name):
     # the devices of its gradient gathers the rows read, a few per device, instead
     # of summing tables; the projected weight beside it as in the tests above.
     params = {"embed": random_array(5, (64, 16)), "w": random_array(6, (16, 12))}
-    tx = qto.projected(
-        optax.scale_by_adam(),
-        rank=2,
-        learning_rate=1e-2,
-        refresh_every=2,
+    tx = _refreshed_every_other_step(
+        2,
         project=lambda p: {"embed": False, "w": True},
         rows=lambda p: {"embed": True, "w": False},
     )

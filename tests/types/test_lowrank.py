@@ -256,7 +256,7 @@ def test_rank_budget_densifies_by_default():
 def test_rank_budget_recompresses_to_the_best_approximation():
     a, b = _over_budget_pair()
     qt.reset_fallback_counts()
-    with qt.rank_budget("recompress"), qt.fallback("error"):
+    with qt.rank_budget(qt.Recompress()), qt.fallback("error"):
         out = quax.quaxify(add_any_p.bind)(a, b)
     assert isinstance(out, qt.LowRank) and out.rank == 1  # (16 - 1) // 8
     dense = np.asarray(a.materialise() + b.materialise(), np.float64)
@@ -270,20 +270,23 @@ def test_max_rank_caps_concatenation():
     a = qt.LowRank(random_array(0, (20, 2)), random_array(1, (20, 2)))
     # The same values in other arrays: `a + a` itself would share its factors.
     copy = qt.LowRank(a.left + 0, a.right + 0)
-    with qt.rank_budget("recompress", max_rank=3), qt.fallback("error"):
+    with qt.rank_budget(qt.Recompress(), max_rank=3), qt.fallback("error"):
         out = quax.quaxify(jax.lax.add)(a, copy)
     # Concatenated rank 4 is cut to 3; a + a has true rank 2, so nothing is lost.
     assert out.rank == 3
     assert_close(out.materialise(), 2 * a.materialise(), factor=5)
     b = qt.LowRank(random_array(2, (20, 2)), random_array(3, (20, 2)))
-    with qt.rank_budget("recompress", max_rank=3), qt.fallback("error"):
+    with qt.rank_budget(qt.Recompress(), max_rank=3), qt.fallback("error"):
         out = quax.quaxify(jax.lax.add)(a, b)
     assert out.rank == 3
 
 
 def test_budget_settings_are_validated():
-    with pytest.raises(ValueError, match="`action`"):
+    with pytest.raises(ValueError, match="`action`.*Recompress"):
         with qt.rank_budget("drop"):
+            pass
+    with pytest.raises(TypeError, match=r"an instance: `quax_tangents.Recompress\(\)`"):
+        with qt.rank_budget(qt.Recompress):  # type: ignore[arg-type]
             pass
     with pytest.raises(ValueError, match="`max_rank`"):
         with qt.rank_budget(max_rank=0):

@@ -19,6 +19,7 @@ from ..._core._devices import (
     shared_factor,
 )
 from ..._core._fallback import (
+    Recompress,
     budget_settings,
     record_budget_event,
     record_dense_result,
@@ -112,13 +113,13 @@ class LowRank(CompressedArray):
         if self.rank <= like.rank:
             return self.pad_rank(like.rank)
         action, _ = budget_settings()
-        if action != "recompress":
+        if not isinstance(action, Recompress):
             raise TypeError(
                 f"the carry enters the body as a LowRank of rank {like.rank} and "
                 f"leaves it with rank {self.rank}, so its rank would grow every "
                 "step. Truncate it back each step with "
-                "`quax_tangents.rank_budget('recompress')`, or materialise it before "
-                "the loop."
+                "`quax_tangents.rank_budget(quax_tangents.Recompress())`, or "
+                "materialise it before the loop."
             )
         record_budget_event("loop carry", "recompress")
         return _lowrank(*truncate(self.left, self.right, like.rank))
@@ -249,7 +250,7 @@ def within_budget(
     )
     if rank * (m + n) < m * n and (max_rank is None or rank <= max_rank):
         return _lowrank(left, right)
-    if action == "recompress":
+    if isinstance(action, Recompress):
         record_budget_event(primitive.name, "recompress")
         return _lowrank(*truncate(left, right, min(limit, rank)))
     product = jnp.matmul(left, jnp.swapaxes(right, -1, -2))

@@ -28,6 +28,7 @@ from ..._core._devices import (
     vary_leaf,
 )
 from ..._core._fallback import (
+    Recompress,
     budget_settings,
     is_vector_shape,
     record_dense_result,
@@ -479,7 +480,7 @@ def _psum_invariant(x: LowRank, *, axes: tuple) -> LowRank | Array:
     action, max_rank = budget_settings()
     if rank * (m + n) < m * n and (max_rank is None or rank <= max_rank):
         return x.all_reduce(axes)
-    if action == "recompress":
+    if isinstance(action, Recompress):
         left = gather_along(x.left, axes, axis=-1)
         return within_budget(
             psum_invariant_p, left, gather_along(x.right, axes, axis=-1)
