@@ -30,7 +30,8 @@ _MODES = ("warn", "error", "silent")
 class BudgetAction(eqx.Module):
     """What a `LowRank` whose rank goes over the budget becomes (see
     [`quax_tangents.rank_budget`][]): [`quax_tangents.Densify`][] or
-    [`quax_tangents.Recompress`][]."""
+    [`quax_tangents.Recompress`][], the two there are; for annotations, not for
+    subclassing."""
 
 
 class Densify(BudgetAction):
@@ -145,7 +146,7 @@ def _budget_action(action: object) -> BudgetAction:
         stacklevel=5,  # the user's `with`, through `contextlib` and the generator
     )
     check_not_a_class("action", action, BudgetAction, "quax_tangents.")
-    if not isinstance(action, BudgetAction):
+    if not isinstance(action, (Densify, Recompress)):
         raise ValueError(
             "`action` must be `quax_tangents.Densify()` or "
             f"`quax_tangents.Recompress()`, got {action!r}."

@@ -285,6 +285,14 @@ def test_budget_settings_are_validated():
     with pytest.raises(ValueError, match="`action`.*Recompress"):
         with qt.rank_budget("drop"):
             pass
+
+    class Mine(qt.BudgetAction):
+        pass
+
+    # Only the two actions there are: another would silently act as `Densify`.
+    with pytest.raises(ValueError, match="`action`.*got .*Mine"):
+        with qt.rank_budget(Mine()):
+            pass
     with pytest.raises(TypeError, match=r"an instance: `quax_tangents.Recompress\(\)`"):
         with qt.rank_budget(qt.Recompress):  # type: ignore[arg-type]
             pass
