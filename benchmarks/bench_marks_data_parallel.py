@@ -17,7 +17,8 @@ The model is an embedding table read at each chip's tokens, then a stack of MLP
 layers under `lax.scan` (`h + gelu(h @ up) @ down`), bfloat16 weights;
 `qto.projected(optax.scale_by_adam(), rank=RANK)` projects both stacks and updates
 the table by rows (`rows=`: its gradient is a `SparseRows` of the rows read, which
-the sum over chips gathers while that receives less than a dense all-reduce). Bytes come from the compiled program's collectives (`qt.hlo.collectives`,
+the sum over chips gathers while that receives less than a dense all-reduce). Bytes
+come from the compiled program's collectives (`qt.hlo.collectives`,
 `qt.hlo.received_bytes`) on a step that keeps the projectors (every switch on its
 branch 0). Each step is compiled ahead of time for the slice, never run.
 
