@@ -202,6 +202,21 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_projector_rank_benchmark_quick(tmp_path):
+    # Every column of the sketches' bases is kept, and they miss what QR misses.
+    text = _run_quick("bench_projector_rank.py", tmp_path / "rank.md")
+    rows = re.findall(
+        r"^\| \(\d+, \d+\) \| \d+ \| \S+ \| (\d+) of (\d+) \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|$",
+        text,
+        re.M,
+    )
+    assert len(rows) == 2, text
+    for kept, width, missed, missed_by_qr in rows:
+        assert kept == width, text
+        assert float(missed) <= 1.01 * float(missed_by_qr) + 1e-6, text
+
+
+@pytest.mark.slow
 def test_marks_data_parallel_benchmark_quick(tmp_path):
     # 8 host devices: the marks without `axis_name` sum the stacks' dense
     # gradients (counted); with `axis_name` the projected factors only, and with

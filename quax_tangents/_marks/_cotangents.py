@@ -181,7 +181,7 @@ def projected_cotangent(
     - `oversample`: extra columns of the range finder's test matrix, dropped by its
         final SVD (4 by default). The optax layer's marks use none, as its
         accumulation does: at LLM ranks they change the energy a fresh projector
-        keeps by under 0.002 (`benchmarks/bench_oversample.py`).
+        keeps by under 0.003 (`benchmarks/bench_oversample.py`).
 
     **Returns:**
 

@@ -73,6 +73,22 @@ def test_orthonormal_columns_keeps_an_ill_conditioned_range(kappa):
     assert _range_residual(q, y) < 1e-5
 
 
+def test_orthonormal_columns_keeps_a_graded_range_at_a_layers_size():
+    # A sketch the size of a GaLore layer's at rank 128, singular values from 1 down
+    # to 1e-3: every direction is kept, as QR keeps it. The shift of shifted
+    # CholeskyQR's worst case (`11 (m w + w (w + 1)) u`, 0.19 here) dropped all
+    # those below about 1% of the largest (44 of the 132).
+    rng = np.random.default_rng(0)
+    m, w = 2048, 132
+    u = np.linalg.qr(rng.standard_normal((m, w)))[0]
+    v = np.linalg.qr(rng.standard_normal((w, w)))[0]
+    y = (u * np.logspace(0, -3, w)) @ v.T
+    q = _orthonormal_columns(jnp.asarray(y, jnp.float32))
+    assert int(np.sum(np.linalg.norm(np.asarray(q), axis=0) > 0.5)) == w
+    assert _orthonormality_error(q) < 5e-6
+    assert _range_residual(q, y) < 1e-5
+
+
 def test_orthonormal_columns_in_float64():
     with jax.enable_x64(True):
         y = jnp.asarray(np.random.default_rng(1).standard_normal((20, 5)))
