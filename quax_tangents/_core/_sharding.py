@@ -232,32 +232,51 @@ def _resharded(x: Array, spec: P) -> Array:
     return x if P(*spec_entries(x)) == spec else jax.sharding.reshard(x, spec)
 
 
-def matmul(a: Float[Array, "m k"], b: Float[Array, "k n"]) -> Float[Array, "m n"]:
+# The precision of the products that orthonormalise. A TPU runs a float32 product at
+# the default precision as one bfloat16 pass (a GPU, as TensorFloat-32), so a Gram
+# matrix so computed is off by about 3e-3 of its largest entry. On one TPU v5e chip,
+# at the default precision, the range finder's projectors were orthonormal to
+# 2e-3 to 4e-3 only, and exactly orthonormal float32 projectors failed the
+# in-program check (`max |P^T P - I|` measured 2e-4 to 4e-4, against a tolerance of
+# 4e-5 to 7e-5); at HIGHEST, 2e-5 and 2e-7 (`benchmarks/bench_precision.py`). The
+# 1B step of `benchmarks/bench_scale.py` then refreshed its projectors in 8.5 s
+# instead of 10.5 (the eigendecompositions converge sooner on accurate Gram
+# matrices), for about 10% more compile time (see `docs/collectives.md`).
+EXACT = jax.lax.Precision.HIGHEST
+
+
+def matmul(
+    a: Float[Array, "m k"], b: Float[Array, "k n"], precision: Any = None
+) -> Float[Array, "m n"]:
     """`a @ b` for matrices; under explicit axes the result keeps `a`'s row sharding
     and `b`'s column sharding (the latter dropped where it reuses an axis of the
-    former), and a sharded contracting dim becomes a reduction over it."""
+    former), and a sharded contracting dim becomes a reduction over it.
+    `precision`: as `jnp.matmul`'s (`EXACT` where the product orthonormalises)."""
     if not explicit_axes():
-        return a @ b
+        return jnp.matmul(a, b, precision=precision)
     rows, cols = spec_entries(a)[0], spec_entries(b)[1]
     if _axes(rows) & _axes(cols):
         cols = None
-    return jnp.matmul(a, b, out_sharding=P(rows, cols))
+    return jnp.matmul(a, b, precision=precision, out_sharding=P(rows, cols))
 
 
 def gram(a: Float[Array, "m w"]) -> Float[Array, "w w"]:
-    """`a^T a`, replicated: the reduction runs over `a`'s (maybe sharded) rows."""
+    """`a^T a` at the `EXACT` precision, replicated: the reduction runs over `a`'s
+    (maybe sharded) rows."""
     if not explicit_axes():
-        return a.T @ a
-    return jnp.matmul(a.T, a, out_sharding=P(None, None))
+        return jnp.matmul(a.T, a, precision=EXACT)
+    return jnp.matmul(a.T, a, precision=EXACT, out_sharding=P(None, None))
 
 
 def batched_gram(a: Float[Array, "*batch m w"]) -> Float[Array, "*batch w w"]:
-    """`a^T a` per matrix of a stack; under explicit axes replicated over the
-    matrix dims (the reduction runs over `a`'s maybe sharded rows)."""
+    """`a^T a` per matrix of a stack, at the `EXACT` precision; under explicit axes
+    replicated over the matrix dims (the reduction runs over `a`'s maybe sharded
+    rows)."""
     a_t = jnp.swapaxes(a, -1, -2)
     if not explicit_axes():
-        return a_t @ a
-    return jnp.matmul(a_t, a, out_sharding=P(*spec_entries(a)[:-2], None, None))
+        return jnp.matmul(a_t, a, precision=EXACT)
+    spec = P(*spec_entries(a)[:-2], None, None)
+    return jnp.matmul(a_t, a, precision=EXACT, out_sharding=spec)
 
 
 def like(x: Array, reference: Array) -> Array:
@@ -286,7 +305,8 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
 
     A rank-deficient `y` (a gradient of rank below `w`, or zero) therefore gives
     zero columns, never NaN, and the nonzero columns are orthonormal to the dtype's
-    rounding. Directions of `y` weaker than about `3e-7 w` of its Frobenius norm
+    rounding (in float32 at a layer's size, about 1e-6 on a CPU and 1e-4 on a TPU,
+    whose products run at the `EXACT` precision: 3e-3 at its default). Directions of `y` weaker than about `3e-7 w` of its Frobenius norm
     in float32 (`1.5e-4` for `w = 516`) are dropped. The columns are an orthonormal
     basis of the range, not the `Q` of a Householder QR (the range finder only
     needs the range).
@@ -347,7 +367,7 @@ def orthonormal_round(
     dropped in the others."""
     lam, v = symmetric_eigh(shifted(g, jnp.where(first, shift, 0)))
     # Laid out as `q` (a loop's carry keeps its type under explicit axes).
-    return like(matmul(q, v * inverse_sqrt_kept(lam, first)), q)
+    return like(matmul(q, v * inverse_sqrt_kept(lam, first), EXACT), q)
 
 
 def shifted(g: Float[Array, "w w"], shift: Any) -> Float[Array, "w w"]:

@@ -170,7 +170,7 @@ def _range_basis(
     for _ in range(spec.iters):
         basis = _orthonormal(apply(_orthonormal(apply_t(basis))))
     u = _sharding.top_left_singular(apply_t(basis).T, spec.rank)
-    projector = _sharding.matmul(basis, u)
+    projector = _sharding.matmul(basis, u, _sharding.EXACT)
     return projector * _sharding.column_signs(projector)
 
 

@@ -14,6 +14,7 @@ from jaxtyping import Array
 from .._core._eigh import symmetric_eigh
 from .._core._layout import constrain, drop_leading
 from .._core._sharding import (
+    EXACT,
     ORTHONORMAL_ROUNDS,
     column_signs,
     gram,
@@ -227,7 +228,7 @@ def _basis_or_truncate(action: Array) -> Callable:
                 truncate, v[:, ::-1], v * inverse_sqrt_kept(lam, i == 0)
             )
             # Laid out as `y` (a loop's carry keeps its type under explicit axes).
-            return like(matmul(y, rotation), y)
+            return like(matmul(y, rotation, EXACT), y)
 
         y = jax.lax.fori_loop(
             0, jnp.where(truncate, 1, ORTHONORMAL_ROUNDS), one_round, y

@@ -149,6 +149,46 @@ def test_fresh_projection_equals_the_qr_range_finder(monkeypatch):
     assert_close(ours.materialise(), u @ (u.T @ g), factor=10)
 
 
+def _dots_below_highest(fn, *args) -> list[str]:
+    """The products in `fn`'s lowered program that do not ask for HIGHEST precision
+    (a TPU runs a float32 product at the default precision as one bfloat16 pass)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots, "no product lowered: the check would pass vacuously"
+    return [line for line in dots if "precision = [HIGHEST, HIGHEST]" not in line]
+
+
+def test_orthonormalisation_products_ask_for_the_highest_precision():
+    y = jnp.ones((40, 12), jnp.float32)
+    assert _dots_below_highest(_sharding.orthonormal_columns, y) == []
+    assert _dots_below_highest(lambda b: _sharding.top_left_singular(b, 4), y.T) == []
+    assert _dots_below_highest(_sharding.batched_gram, y[None]) == []
+    assert _dots_below_highest(_sharding.gram, y) == []
+    # `matmul` keeps the default unless asked.
+    assert len(_dots_below_highest(_sharding.matmul, y, y.T)) == 1
+    exact = lambda a, b: _sharding.matmul(a, b, _sharding.EXACT)  # noqa: E731
+    assert _dots_below_highest(exact, y, y.T) == []
+
+
+def test_the_range_finder_orthonormalises_at_the_highest_precision():
+    """Of a fresh projector's products, only those with the gradient itself (here
+    asked at HIGHEST too) may run at another precision."""
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((24, 16)), jnp.float32)
+    spec = _projection.Finish("projected", rank=4, iters=1)
+
+    def basis(g):
+        exact = jax.lax.Precision.HIGHEST
+        return _projection._range_basis(
+            lambda v: jnp.matmul(g, v, precision=exact),
+            lambda u: jnp.matmul(g.T, u, precision=exact),
+            g.shape,
+            spec,
+            jax.random.key(0),
+        )
+
+    assert _dots_below_highest(basis, g) == []
+
+
 def test_helpers_are_plain_without_explicit_axes():
     a = jnp.arange(6.0).reshape(2, 3)
     assert not _sharding.explicit_axes()
