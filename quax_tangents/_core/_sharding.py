@@ -241,7 +241,7 @@ def _resharded(x: Array, spec: P) -> Array:
 # 4e-5 to 7e-5); at HIGHEST, 2e-5 and 2e-7 (`benchmarks/bench_precision.py`). The
 # 1B step of `benchmarks/bench_scale.py` then refreshed its projectors in 8.5 s
 # instead of 10.5 (the eigendecompositions converge sooner on accurate Gram
-# matrices), for about 10% more compile time (see `docs/collectives.md`).
+# matrices), for about 11% more compile time (see `docs/collectives.md`).
 EXACT = jax.lax.Precision.HIGHEST
 
 
