@@ -217,6 +217,24 @@ def test_projector_rank_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_precision_benchmark_quick(tmp_path):
+    # Both precisions per case; on CPU they agree, and each projector passes the
+    # check's tolerance.
+    text = _run_quick("bench_precision.py", tmp_path / "precision.md")
+    number = r"([0-9.e+-]+)"
+    rows = re.findall(
+        rf"^\| \(\d+, \d+\) \| \d+ \| (HIGHEST \(shipped\)|DEFAULT) \| {number} \| "
+        rf"\d+ \| {number} \| [0-9.]+ \| [0-9.]+ \| {number} \| {number} \|$",
+        text,
+        re.M,
+    )
+    assert [r[0] for r in rows] == ["HIGHEST (shipped)", "DEFAULT"], text
+    for _, q, projector, check, tolerance in rows:
+        assert float(check) <= float(tolerance), text
+        assert float(q) < 1e-4 and float(projector) < 1e-4, text
+
+
+@pytest.mark.slow
 def test_marks_data_parallel_benchmark_quick(tmp_path):
     # 8 host devices: the marks without `axis_name` sum the stacks' dense
     # gradients (counted); with `axis_name` the projected factors only, and with

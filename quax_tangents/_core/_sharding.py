@@ -305,9 +305,10 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
 
     A rank-deficient `y` (a gradient of rank below `w`, or zero) therefore gives
     zero columns, never NaN, and the nonzero columns are orthonormal to the dtype's
-    rounding (in float32 at a layer's size, about 1e-6 on a CPU and 1e-4 on a TPU,
-    whose products run at the `EXACT` precision: 3e-3 at its default). Directions of `y` weaker than about `3e-7 w` of its Frobenius norm
-    in float32 (`1.5e-4` for `w = 516`) are dropped. The columns are an orthonormal
+    rounding (in float32 at a layer's size, about 1e-6 on a CPU and under 1e-4 on a
+    TPU, whose products run at the `EXACT` precision: 3e-3 at its default).
+    Directions of `y` weaker than about `3e-7 w` of its Frobenius norm in float32
+    (`1.5e-4` for `w = 516`) are dropped. The columns are an orthonormal
     basis of the range, not the `Q` of a Householder QR (the range finder only
     needs the range).
 

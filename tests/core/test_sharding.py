@@ -12,6 +12,7 @@ import quax_tangents as qt
 from quax_tangents._core import _sharding
 from quax_tangents._marks import _projection
 from tests.helpers import assert_close
+from tests.helpers.precision import dots_below_highest
 
 
 _orthonormal_columns = jax.jit(_sharding.orthonormal_columns)
@@ -149,25 +150,16 @@ def test_fresh_projection_equals_the_qr_range_finder(monkeypatch):
     assert_close(ours.materialise(), u @ (u.T @ g), factor=10)
 
 
-def _dots_below_highest(fn, *args) -> list[str]:
-    """The products in `fn`'s lowered program that do not ask for HIGHEST precision
-    (a TPU runs a float32 product at the default precision as one bfloat16 pass)."""
-    text = jax.jit(fn).lower(*args).as_text()
-    dots = [line for line in text.splitlines() if "dot_general" in line]
-    assert dots, "no product lowered: the check would pass vacuously"
-    return [line for line in dots if "precision = [HIGHEST, HIGHEST]" not in line]
-
-
 def test_orthonormalisation_products_ask_for_the_highest_precision():
     y = jnp.ones((40, 12), jnp.float32)
-    assert _dots_below_highest(_sharding.orthonormal_columns, y) == []
-    assert _dots_below_highest(lambda b: _sharding.top_left_singular(b, 4), y.T) == []
-    assert _dots_below_highest(_sharding.batched_gram, y[None]) == []
-    assert _dots_below_highest(_sharding.gram, y) == []
+    assert dots_below_highest(_sharding.orthonormal_columns, y) == []
+    assert dots_below_highest(lambda b: _sharding.top_left_singular(b, 4), y.T) == []
+    assert dots_below_highest(_sharding.batched_gram, y[None]) == []
+    assert dots_below_highest(_sharding.gram, y) == []
     # `matmul` keeps the default unless asked.
-    assert len(_dots_below_highest(_sharding.matmul, y, y.T)) == 1
+    assert len(dots_below_highest(_sharding.matmul, y, y.T)) == 1
     exact = lambda a, b: _sharding.matmul(a, b, _sharding.EXACT)  # noqa: E731
-    assert _dots_below_highest(exact, y, y.T) == []
+    assert dots_below_highest(exact, y, y.T) == []
 
 
 def test_the_range_finder_orthonormalises_at_the_highest_precision():
@@ -186,7 +178,7 @@ def test_the_range_finder_orthonormalises_at_the_highest_precision():
             jax.random.key(0),
         )
 
-    assert _dots_below_highest(basis, g) == []
+    assert dots_below_highest(basis, g) == []
 
 
 def test_helpers_are_plain_without_explicit_axes():
