@@ -29,6 +29,10 @@ on CPU `memory_stats()` gives none, and they read n/a.
         --accumulation 1
     python benchmarks/bench_device.py --quick   # 60M, 64 tokens, 1 step (CPU)
 
+`--eigh jnp` runs the refresh's eigendecompositions as `jnp.linalg.eigh` on every
+backend, in place of the library's block Jacobi method on a TPU (see
+`quax_tangents/_core/_eigh.py`): its run time against its compile time.
+
 Writes `results/bench_device-<platform>.md` and the raw `.json` beside it (a quick
 run's to `results/quick/`), or to `--out`.
 """
@@ -90,6 +94,20 @@ KINDS = {
     "TPU v6 lite": "tpu-v6e",
     "TPU v6e": "tpu-v6e",
 }
+
+
+# The child processes read `--eigh` from here.
+_EIGH_ENV = "BENCH_DEVICE_EIGH"
+
+
+def _use_eigh(choice: str) -> None:
+    """`jnp`: the library's eigendecomposition lowered as `jnp.linalg.eigh` on a TPU
+    too, for this process and the children it starts."""
+    os.environ[_EIGH_ENV] = choice
+    if choice == "jnp":
+        from quax_tangents._core import _eigh
+
+        _eigh.block_jacobi_eigh = lambda a: tuple(jnp.linalg.eigh(a))
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,6 +272,7 @@ def _one(
             "status": "failed",
             "error": _first_line(error),
         }
+    row["eigh"] = os.environ.get(_EIGH_ENV, "library")
     print(json.dumps(row), flush=True)
 
 
@@ -423,6 +442,16 @@ def render(rows: list[dict], platform: str) -> str:
                 if any(bs.layouts_of(r) == "auto" for r in rows)
                 else []
             ),
+            *(
+                [
+                    "",
+                    "With `--eigh jnp`: the refresh's eigendecompositions lowered as "
+                    "`jnp.linalg.eigh` on a TPU too, not as the library's block "
+                    "Jacobi method.",
+                ]
+                if any(r.get("eigh") == "jnp" for r in rows)
+                else []
+            ),
             "",
             *table(rows),
             "",
@@ -510,6 +539,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: those `jax.jit` takes)",
     )
     parser.add_argument(
+        "--eigh",
+        choices=("library", "jnp"),
+        default=os.environ.get(_EIGH_ENV, "library"),
+        help="the refresh's eigendecompositions: the library's (block Jacobi on a "
+        "TPU; the default) or `jnp.linalg.eigh` on every backend",
+    )
+    parser.add_argument(
         "--one",
         nargs=2,
         metavar=("MODEL", "ARM"),
@@ -521,6 +557,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    _use_eigh(args.eigh)
     steps = args.steps or (1 if args.quick else STEPS)
     if args.accumulation is None:
         args.accumulation = [1 if args.quick else bs.ACCUMULATION]

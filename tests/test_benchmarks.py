@@ -6,6 +6,7 @@ Every quick run is a smoke run of a whole script in its own process, marked `slo
 
 import ast
 import importlib.metadata
+import json
 import pathlib
 import re
 import subprocess
@@ -202,6 +203,27 @@ def test_eigh_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_eigh_benchmark_run_quick(tmp_path):
+    # Both functions run on both kinds of matrix; on a CPU both are LAPACK's, exact
+    # to float32 rounding.
+    text = _run_quick("bench_eigh.py", tmp_path / "eigh.md", "--run")
+    rows = re.findall(
+        r"^\| (\d+) \| ([a-z ]+) \| `(\S+)` \| [0-9.]+ \| ([0-9.e+-]+) \| ([0-9.e+-]+) \|$",
+        text,
+        re.M,
+    )
+    assert len(rows) == 8, text
+    assert {(w, kind, name) for w, kind, name, *_ in rows} == {
+        (w, kind, name)
+        for w in ("132", "257")
+        for kind in ("general", "near the identity")
+        for name in ("jnp.linalg.eigh", "symmetric_eigh")
+    }, text
+    for *_, residual, orthogonality in rows:
+        assert float(residual) < 1e-5 and float(orthogonality) < 1e-5, text
+
+
+@pytest.mark.slow
 def test_projector_rank_benchmark_quick(tmp_path):
     # Every column of the sketches' bases is kept, and they miss what QR misses.
     text = _run_quick("bench_projector_rank.py", tmp_path / "rank.md")
@@ -389,10 +411,16 @@ def test_oversample_benchmark_quick(tmp_path):
 def test_device_benchmark_quick(tmp_path):
     # On the CPU: each arm's step compiles and runs in a process of its own, the
     # compile time and the memory estimate are recorded, and the loss is finite.
-    text = _run_quick("bench_device.py", tmp_path / "device.md")
+    # `--eigh jnp` reaches the child processes, and the results say so (on a CPU
+    # both choices lower to LAPACK's).
+    out = tmp_path / "device.md"
+    text = _run_quick("bench_device.py", out, "--eigh", "jnp")
     rows = [line for line in text.splitlines() if line.startswith("| 60M |")]
     assert len(rows) == 2, text
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert float(cells[3]) > 0 and float(cells[5]) > 0, row
         assert np.isfinite(float(cells[-1])), row
+    assert "With `--eigh jnp`" in text, text
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert [r["eigh"] for r in raw["rows"]] == ["jnp", "jnp"], raw

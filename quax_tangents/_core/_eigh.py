@@ -21,6 +21,12 @@ size. Other backends keep `jnp.linalg.eigh` (LAPACK, cuSOLVER), which compile
 quickly; the choice is made when the program is lowered
 (`jax.lax.platform_dependent`), so a program compiled ahead of time for a TPU on a
 CPU-only machine gets the TPU lowering.
+
+It costs run time and accuracy. Run on a TPU v5e chip, one float32
+eigendecomposition of 516 rows takes 38.2 ms here against 10.3 ms for
+`jnp.linalg.eigh` (residual 6.7e-5 against 3.9e-6), and the 1B step's refresh
+8.45 s against 5.27 s, for 42.0 against 69.5 s of compile on the chip's host
+(`benchmarks/bench_eigh.py --run`, `benchmarks/bench_device.py --eigh`; docs/llm.md).
 """
 
 import functools
