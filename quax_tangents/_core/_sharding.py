@@ -299,9 +299,16 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
         unit roundoff), which brings the condition number of `Q` down to at most
         `(11 w u)^{-1/2}` (54 for `w = 516` in float32), so that the next two
         rounds reach orthogonality to rounding.
-    2. Twice (twice is enough for orthogonality to rounding): `Q^T Q = V L V^T`
-        (`eigh`), `Q = Q V L^{-1/2}` over the eigenvalues above `10 w eps` of the
-        largest; the others become zero columns.
+    2. Once: `Q^T Q = V L V^T` (`eigh`), `Q = Q V L^{-1/2}` over the eigenvalues
+        above `10 w eps` of the largest; the others become zero columns. The
+        nonzero columns are then orthonormal to about `cond(Q)^2 u`, at most
+        `1 / (11 w)`.
+    3. One Newton-Schulz step towards the nearest orthonormal columns, `Q = Q (3 I -
+        Q^T Q) / 2`, which squares that error (`|Q^T Q - I|` goes to `3/4` of its
+        square) and keeps the zero columns zero: two products where a second
+        eigendecomposition was, which on a TPU is the block Jacobi method of
+        `_eigh` (19 ms at 516 rows on a v5e chip, for a matrix this near the
+        identity; `benchmarks/bench_eigh.py --run`).
 
     A rank-deficient `y` (a gradient of rank below `w`, or zero) therefore gives
     zero columns, never NaN, and the nonzero columns are orthonormal to the dtype's
@@ -338,14 +345,24 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
     def orthonormalised(i: Any, q: Array) -> Array:
         return orthonormal_round(q, gram(q), i == 0, shift)
 
-    # A loop, not three copies: on a TPU the eigendecomposition is most of the
+    # A loop, not two copies: on a TPU the eigendecomposition is most of the
     # compile (a Cholesky factor and a triangular solve in the first step held
     # about a tenth of the fused kernels of the optimised HLO of
     # `bench_scale.estimate(MODELS["1B"], "projected-8bit", target="tpu-v5e")`).
-    return jax.lax.fori_loop(0, ORTHONORMAL_ROUNDS, orthonormalised, q)
+    return polished(jax.lax.fori_loop(0, ORTHONORMAL_ROUNDS, orthonormalised, q))
 
 
-ORTHONORMAL_ROUNDS = 3
+# Rounds with an eigendecomposition: the shifted one and one more (then `polished`).
+ORTHONORMAL_ROUNDS = 2
+
+
+def polished(q: Float[Array, "m w"]) -> Float[Array, "m w"]:
+    """One Newton-Schulz step, `q (3 I - q^T q) / 2`, for columns of `q` that are
+    orthonormal to about 1e-4 or zero (`orthonormal_columns`' last step)."""
+    g = gram(q)
+    step = (3 * jnp.eye(g.shape[-1], dtype=g.dtype) - g) / 2
+    # Laid out as `q` (a loop's carry keeps its type under explicit axes).
+    return like(matmul(q, step, EXACT), q)
 
 
 def orthonormal_start(y: Float[Array, "m w"]) -> tuple[Array, Array]:

@@ -23,6 +23,7 @@ from .._core._sharding import (
     matmul,
     orthonormal_columns,
     orthonormal_start,
+    polished,
     shifted,
 )
 from .._marks._sources import PHASE_DRAWN, PHASE_GIVEN, PHASE_TESTED
@@ -233,7 +234,8 @@ def _basis_or_truncate(action: Array) -> Callable:
         y = jax.lax.fori_loop(
             0, jnp.where(truncate, 1, ORTHONORMAL_ROUNDS), one_round, y
         )
-        y = jnp.where(truncate, y * column_signs(y), y)
+        # The basis ends as `orthonormal_columns` does, with `polished`.
+        y = jax.lax.cond(truncate, lambda y: y * column_signs(y), polished, y)
         return y.astype(m.dtype), t
 
     return step

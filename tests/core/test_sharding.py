@@ -63,6 +63,57 @@ def test_orthonormal_columns_of_a_rank_deficient_matrix_has_zero_columns(rank, s
     assert _range_residual(q, y) < 5e-6
 
 
+def _nearly_orthonormal(m, w, zero, size, seed):
+    """Orthonormal `(m, w)` columns times `I + E` (`E` symmetric, entries up to
+    `size`), the first `zero` columns zeroed: what the eigendecomposition's rounds
+    hand `polished`."""
+    rng = np.random.default_rng(seed)
+    q = np.linalg.qr(rng.standard_normal((m, w)))[0]
+    e = rng.uniform(-size, size, (w, w))
+    q = q @ (np.eye(w) + (e + e.T) / 2)
+    q[:, :zero] = 0
+    return q
+
+
+def _spectral_error(q) -> float:
+    """`|Q^T Q - I|_2` over the nonzero columns of `q`."""
+    q = np.asarray(q, np.float64)
+    q = q[:, np.linalg.norm(q, axis=0) > 0]
+    return float(np.linalg.norm(q.T @ q - np.eye(q.shape[1]), 2)) if q.size else 0.0
+
+
+@given(
+    w=st.integers(1, 12),
+    zero=st.integers(0, 3),
+    log_size=st.floats(-6, -2),
+    seed=st.integers(0, 2**16),
+)
+def test_polished_squares_the_orthonormality_error(w, zero, log_size, seed):
+    zero = min(zero, w)
+    q = _nearly_orthonormal(3 * w, w, zero, 10.0**log_size, seed)
+    before = _spectral_error(q)
+    with jax.enable_x64(True):
+        out = np.asarray(_sharding.polished(jnp.asarray(q)))
+    # `D = Q^T Q - I` becomes `-3/4 D^2 + 1/4 D^3`; zero columns stay zero (exactly),
+    # and the columns stay in `q`'s range.
+    assert _spectral_error(out) <= 0.75 * before**2 + 0.25 * before**3 + 1e-13
+    assert np.all(out[:, :zero] == 0)
+    if zero < w:
+        basis = np.linalg.qr(q[:, zero:])[0]
+        outside = out - basis @ (basis.T @ out)
+        assert np.linalg.norm(outside) <= 1e-12 * np.linalg.norm(out)
+
+
+def test_polished_in_float32_reaches_rounding():
+    # As the eigendecomposition's rounds leave it: orthonormal to about 1e-4.
+    q = _nearly_orthonormal(600, 64, 5, 1e-5, 0)
+    assert _spectral_error(q) > 1e-5
+    out = _sharding.polished(jnp.asarray(q, jnp.float32))
+    assert out.dtype == jnp.float32
+    assert _orthonormality_error(out) < 2e-6
+    assert np.all(np.asarray(out)[:, :5] == 0)
+
+
 @pytest.mark.parametrize("kappa", [1e2, 1e4])
 def test_orthonormal_columns_keeps_an_ill_conditioned_range(kappa):
     rng = np.random.default_rng(0)
