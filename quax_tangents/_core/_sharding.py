@@ -298,14 +298,14 @@ def orthonormal_columns(y: Float[Array, "m w"]) -> Float[Array, "m w"]:
         the positive eigenvalues, with the shift `s = 11 w u tr(Y^T Y)` (`u` the
         unit roundoff), which brings the condition number of `Q` down to at most
         `(11 w u)^{-1/2}` (54 for `w = 516` in float32), so that the next two
-        rounds reach orthogonality to rounding.
+        steps reach orthogonality to rounding.
     2. Once: `Q^T Q = V L V^T` (`eigh`), `Q = Q V L^{-1/2}` over the eigenvalues
         above `10 w eps` of the largest; the others become zero columns. The
         nonzero columns are then orthonormal to about `cond(Q)^2 u`, at most
         `1 / (11 w)`.
     3. One Newton-Schulz step towards the nearest orthonormal columns, `Q = Q (3 I -
         Q^T Q) / 2`, which squares that error (`|Q^T Q - I|` goes to `3/4` of its
-        square) and keeps the zero columns zero: two products where a second
+        square) and keeps the zero columns zero: two products where a third
         eigendecomposition was, which on a TPU is the block Jacobi method of
         `_eigh` (19 ms at 516 rows on a v5e chip, for a matrix this near the
         identity; `benchmarks/bench_eigh.py --run`).
