@@ -25,9 +25,8 @@ CPU-only machine gets the TPU lowering.
 It costs run time and accuracy. Run on a TPU v5e chip, one float32
 eigendecomposition of 516 rows takes 38.2 ms here against 10.3 ms for
 `jnp.linalg.eigh` (residual 6.7e-5 against 3.9e-6), and the 1B step's refresh
-8.45 s against 5.27 s (with four eigendecompositions per matrix, before the
-Newton-Schulz step of `_sharding.orthonormal_columns` took the place of one), for
-42.0 against 69.5 s of compile on the chip's host
+7.67 s against 4.25 s (three eigendecompositions per matrix), for 43.7 against
+76.9 s of compile on the chip's host
 (`benchmarks/bench_eigh.py --run`, `benchmarks/bench_device.py --eigh`; docs/llm.md).
 """
 
