@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from ._eigh import symmetric_eigh
+from ._row_blocks import exact_gram, exact_matmul
 
 
 def explicit_axes() -> bool:
@@ -241,7 +242,8 @@ def _resharded(x: Array, spec: P) -> Array:
 # 4e-5 to 7e-5); at HIGHEST, 2e-5 and 2e-7 (`benchmarks/bench_precision.py`). The
 # 1B step of `benchmarks/bench_scale.py` then refreshed its projectors in 8.5 s
 # instead of 10.5 (the eigendecompositions converge sooner on accurate Gram
-# matrices), for about 11% more compile time (see `docs/collectives.md`).
+# matrices), for about 11% more compile time (see `docs/collectives.md`), most of
+# which the products in blocks of rows of `_row_blocks` won back on a TPU.
 EXACT = jax.lax.Precision.HIGHEST
 
 
@@ -253,6 +255,9 @@ def matmul(
     former), and a sharded contracting dim becomes a reduction over it.
     `precision`: as `jnp.matmul`'s (`EXACT` where the product orthonormalises)."""
     if not explicit_axes():
+        if a.ndim == 2 and b.ndim == 2:
+            # On a TPU, a tall float32 `a` in blocks of rows (`_row_blocks`).
+            return exact_matmul(a, b, precision)
         return jnp.matmul(a, b, precision=precision)
     rows, cols = spec_entries(a)[0], spec_entries(b)[1]
     if _axes(rows) & _axes(cols):
@@ -264,7 +269,8 @@ def gram(a: Float[Array, "m w"]) -> Float[Array, "w w"]:
     """`a^T a` at the `EXACT` precision, replicated: the reduction runs over `a`'s
     (maybe sharded) rows."""
     if not explicit_axes():
-        return jnp.matmul(a.T, a, precision=EXACT)
+        # On a TPU, a tall float32 `a` in blocks of rows (`_row_blocks`).
+        return exact_gram(a, EXACT)
     return jnp.matmul(a.T, a, precision=EXACT, out_sharding=P(None, None))
 
 
