@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from quax_tangents._core import _eigh, _sharding
 from tests.helpers import assert_close
+from tests.helpers.range_finder import assert_same_range_finder
 
 
 def _symmetric(kind: str, w: int, seed: int) -> np.ndarray:
@@ -122,19 +123,8 @@ def _with_block_jacobi(monkeypatch) -> None:
 @given(m=st.integers(8, 30), w=st.integers(2, 8), seed=st.integers(0, 2**16))
 def test_the_range_finder_is_the_same_with_block_jacobi(m, w, seed):
     # The TPU lowering and LAPACK give the same orthonormal range and the same top
-    # singular vectors (up to sign, which `column_signs` fixes), to float32 rounding.
-    rng = np.random.default_rng(seed)
-    y = jnp.asarray(rng.standard_normal((m, w)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((w, m + 5)), jnp.float32)
-    q_lapack = _sharding.orthonormal_columns(y)
-    u_lapack = _sharding.top_left_singular(b, w - 1)
-    with pytest.MonkeyPatch.context() as patch:
-        _with_block_jacobi(patch)
-        q_jacobi = _sharding.orthonormal_columns(y)
-        u_jacobi = _sharding.top_left_singular(b, w - 1)
-    assert_close(q_jacobi @ q_jacobi.T, q_lapack @ q_lapack.T, factor=20)
-    signs = _sharding.column_signs
-    assert_close(u_jacobi * signs(u_jacobi), u_lapack * signs(u_lapack), factor=200)
+    # singular vectors, to float32 rounding.
+    assert_same_range_finder(_with_block_jacobi, m, w, seed)
 
 
 def test_a_rank_deficient_range_has_zero_columns_with_block_jacobi(monkeypatch):

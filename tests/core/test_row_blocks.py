@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from quax_tangents._core import _row_blocks, _sharding
-from tests.helpers import assert_close
 from tests.helpers.precision import dots_below_highest
+from tests.helpers.range_finder import assert_same_range_finder
 
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -24,46 +24,36 @@ def _matrix(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape) * scales, dtype)
 
 
-def _close_to(ours, exact, a, b, dtype):
-    # Each entry is a sum of `m` products: within `m` roundings of the sum of their
-    # magnitudes (float32, or float64 where enabled).
-    bound = np.abs(a).T @ np.abs(b) if b is not None else np.abs(a).T @ np.abs(a)
-    eps = np.finfo(dtype).eps
-    np.testing.assert_array_less(
-        np.abs(np.asarray(ours, np.float64) - exact),
-        (a.shape[0] + 2) * eps * bound + np.finfo(dtype).tiny,
-    )
-
-
-@settings(max_examples=10)
+@settings(max_examples=16)
 @given(
-    shape=shapes, rows=st.integers(1, 8), seed=st.integers(0, 2**16), x64=st.booleans()
+    product=st.sampled_from(["gram", "matmul"]),
+    shape=shapes,
+    rows=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    x64=st.booleans(),
 )
-def test_gram_in_row_blocks_is_the_gram_matrix(shape, rows, seed, x64):
-    m, k, _ = shape
-    dtype = np.float64 if x64 else np.float32
-    with jax.enable_x64(x64):
-        a = _matrix(np.random.default_rng(seed), (m, k), dtype)
-        ours = _row_blocks.gram_in_row_blocks(a, HIGHEST, rows=rows)
-        assert ours.shape == (k, k) and ours.dtype == a.dtype
-    a64 = np.asarray(a, np.float64)
-    _close_to(ours, a64.T @ a64, a64, None, dtype)
-
-
-@settings(max_examples=10)
-@given(
-    shape=shapes, rows=st.integers(1, 8), seed=st.integers(0, 2**16), x64=st.booleans()
-)
-def test_matmul_in_row_blocks_is_the_product(shape, rows, seed, x64):
+def test_products_in_row_blocks_are_the_products(product, shape, rows, seed, x64):
     m, k, n = shape
     dtype = np.float64 if x64 else np.float32
     rng = np.random.default_rng(seed)
     with jax.enable_x64(x64):
-        a, b = _matrix(rng, (m, k), dtype), _matrix(rng, (k, n), dtype)
-        ours = _row_blocks.matmul_in_row_blocks(a, b, HIGHEST, rows=rows)
-        assert ours.shape == (m, n) and ours.dtype == a.dtype
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    _close_to(ours, a64 @ b64, a64.T, b64, dtype)
+        a = _matrix(rng, (m, k), dtype)
+        if product == "gram":
+            ours = _row_blocks.gram_in_row_blocks(a, HIGHEST, rows=rows)
+            left, right = a.T, a
+        else:
+            b = _matrix(rng, (k, n), dtype)
+            ours = _row_blocks.matmul_in_row_blocks(a, b, HIGHEST, rows=rows)
+            left, right = a, b
+        assert ours.dtype == a.dtype
+    left, right = np.asarray(left, np.float64), np.asarray(right, np.float64)
+    exact = left @ right
+    assert ours.shape == exact.shape
+    # Each entry is a sum of `m` products: within `m` roundings of the sum of their
+    # magnitudes (float32, or float64 where enabled).
+    bound = (m + 2) * np.finfo(dtype).eps * (np.abs(left) @ np.abs(right))
+    error = np.abs(np.asarray(ours, np.float64) - exact)
+    np.testing.assert_array_less(error, bound + np.finfo(dtype).tiny)
 
 
 def test_the_blocks_ask_for_the_precision_given():
@@ -134,15 +124,4 @@ def _with_row_blocks(patch) -> None:
 @settings(max_examples=10)
 @given(m=st.integers(8, 30), w=st.integers(2, 8), seed=st.integers(0, 2**16))
 def test_the_range_finder_is_the_same_with_products_in_row_blocks(m, w, seed):
-    rng = np.random.default_rng(seed)
-    y = jnp.asarray(rng.standard_normal((m, w)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((w, m + 5)), jnp.float32)
-    q_plain = _sharding.orthonormal_columns(y)
-    u_plain = _sharding.top_left_singular(b, w - 1)
-    with pytest.MonkeyPatch.context() as patch:
-        _with_row_blocks(patch)
-        q_blocks = _sharding.orthonormal_columns(y)
-        u_blocks = _sharding.top_left_singular(b, w - 1)
-    assert_close(q_blocks @ q_blocks.T, q_plain @ q_plain.T, factor=20)
-    signs = _sharding.column_signs
-    assert_close(u_blocks * signs(u_blocks), u_plain * signs(u_plain), factor=200)
+    assert_same_range_finder(_with_row_blocks, m, w, seed)

@@ -1,0 +1,28 @@
+"""The range finder under another lowering of its linear algebra (the TPU's, run on
+any backend): the same orthonormal range and top singular vectors as the plain one."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from quax_tangents._core import _sharding
+from tests.helpers import assert_close
+
+
+def assert_same_range_finder(lowering, m: int, w: int, seed: int) -> None:
+    """`orthonormal_columns` of an `(m, w)` sketch and `top_left_singular` of a `(w,
+    m + 5)` matrix, with `_sharding` patched by `lowering(patch)` and without, agree
+    to float32 rounding: the same projection onto the range, and the same singular
+    vectors up to sign (which `column_signs` fixes)."""
+    rng = np.random.default_rng(seed)
+    y = jnp.asarray(rng.standard_normal((m, w)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((w, m + 5)), jnp.float32)
+    q_plain = _sharding.orthonormal_columns(y)
+    u_plain = _sharding.top_left_singular(b, w - 1)
+    with pytest.MonkeyPatch.context() as patch:
+        lowering(patch)
+        q_other = _sharding.orthonormal_columns(y)
+        u_other = _sharding.top_left_singular(b, w - 1)
+    assert_close(q_other @ q_other.T, q_plain @ q_plain.T, factor=20)
+    signs = _sharding.column_signs
+    assert_close(u_other * signs(u_other), u_plain * signs(u_plain), factor=200)
