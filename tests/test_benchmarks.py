@@ -224,6 +224,15 @@ def test_eigh_benchmark_run_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_row_blocks_benchmark_quick(tmp_path):
+    text = _run_quick("bench_row_blocks.py", tmp_path / "row_blocks.md")
+    rows = re.findall(
+        r"^\| \(600, 20\) \| ([^|]+) \| [0-9.]+ \| [0-9.]+ \|$", text, re.M
+    )
+    assert rows == ["default", "HIGHEST", "HIGHEST, blocks of 256"], text
+
+
+@pytest.mark.slow
 def test_projector_rank_benchmark_quick(tmp_path):
     # Every column of the sketches' bases is kept, and they miss what QR misses.
     text = _run_quick("bench_projector_rank.py", tmp_path / "rank.md")

@@ -3,14 +3,16 @@ loop over blocks of its rows.
 
 A TPU runs a float32 product at `jax.lax.Precision.HIGHEST` as six bfloat16 passes,
 and its compiler takes a time that grows with the rows of the operand. Compiled
-ahead of time for one v5e chip on 2 CPU cores (JAX 0.12.0.1), `a^T a` of a
-`(5461, 516)` float32 `a` took 7.6 s at `HIGHEST`, 1.9 s at 2048 rows, and 0.7 s at
-the default precision; the same Gram matrix summed over blocks of 256 rows in a
-loop took 1.1 s (512 rows: 2.1 s; 1024: 4.3 s). `a @ b` for a `(516, 516)` `b`
-took 2.7 s. The range finder takes several such products per shape of projected
-matrix in each refresh, and they were most of the refresh's compile on a TPU
-(`benchmarks/bench_compile.py --target tpu-v5e`, *refresh codegen s*). The loop
-computes the same products, summed in float32 block by block.
+ahead of time for one v5e chip on 2 CPU cores (JAX 0.12.0.1,
+`benchmarks/bench_row_blocks.py --target tpu-v5e`), `a^T a` of a `(5461, 516)`
+float32 `a` took 11.8 s at `HIGHEST` and 1.5 s at the default precision; summed
+over blocks of 256 rows in a loop, 1.3 s (512 rows: 2.4 s; 1024: 5.5 s). `a @ b` for
+a `(516, 516)` `b`: 3.6 s, and 1.6 s in blocks. At 2048 rows the Gram matrix took
+2.3 s against 1.1 s in blocks, and the product 1.1 s against 1.5. The range finder
+takes several such products per shape of projected matrix in each refresh, and they
+were most of the refresh's compile on a TPU (`benchmarks/bench_compile.py --target
+tpu-v5e`, *refresh codegen s*: 52.2 thread-seconds before the blocks, 13.0 after).
+The loop computes the same products, summed in float32 block by block.
 
 Other backends keep the one product (a CPU's float32 product is float32 at every
 precision; a GPU's `HIGHEST` is a float32 GEMM); the choice is made when the program
