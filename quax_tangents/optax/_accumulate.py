@@ -51,6 +51,7 @@ from .._marks._sources import PHASE_GIVEN
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
+from ._common import split_arrays, with_others
 from ._data_parallel import (
     WHERE as _WHERE,
     check_axis_name,
@@ -456,7 +457,9 @@ def accumulate_gradients(
     - `loss_fn`: `loss_fn(params, microbatch) -> loss` (or `(loss, aux)` with
         `has_aux`), the mean loss of one microbatch, *without* marks: this function
         applies them.
-    - `params`: the parameters, with the structure the state was initialised with.
+    - `params`: the parameters, with the structure the state was initialised with;
+        or a whole Equinox model, whose leaves that are not arrays reach `loss_fn` as
+        they are, with `None` gradients (as `equinox.filter_value_and_grad` gives).
     - `state`: the state of `projected`, or one that contains it.
     - `microbatches`: a pytree whose leaves have a leading axis of length `k`, one
         entry per microbatch (of equal sizes, so that the mean of their mean losses
@@ -474,17 +477,16 @@ def accumulate_gradients(
         `jax.checkpoint` as it may be). A scan that uses the stack but cannot
         project it so (the stack transposed before the scan, or closed over by an
         outer scan) warns a [`quax_tangents.optax.LayerByLayerWarning`][]; a Python
-        loop over the layers does not. `False` keeps every layer's factors until the scan ends,
-        for any use, with the same result, and does not warn.
+        loop over the layers does not. `False` keeps every layer's factors until
+        the scan ends, for any use, with the same result, and does not warn.
     - `shardings`: under `jax.jit` with sharded parameters (FSDP), the parameters'
         `jax.sharding.NamedSharding`s, with the structure of `params` (a leaf may be
         `None`): the same tree one gives `jax.jit`'s `in_shardings`. Each running sum
         (and a refresh step's bases and new projectors) is then laid out like its
         weight, dim for dim, the weight's other mesh axis on its rows where it
         divides them (else on the rank), so that each device holds its share and
-        each microbatch's
-        factors are reduce-scattered into it, not all-reduced into a copy on every
-        device. `None` (the default) leaves their layout to XLA, which replicates
+        each microbatch's factors are reduce-scattered into it, not all-reduced
+        into a copy on every device. `None` (the default) leaves their layout to XLA, which replicates
         them. A leaf that `dims=` views as other matrices is left to XLA.
     - `axis_name`: data parallel inside `jax.shard_map`, each device holding its
         share of the batch (split into `k` microbatches on every device) and the
@@ -511,6 +513,8 @@ def accumulate_gradients(
     if not isinstance(by_layer, bool):
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     check_axis_name(axis_name, shardings)
+    params, others = split_arrays(params)  # a whole Equinox model's functions...
+    loss_fn = with_others(loss_fn, others)  # ...reach the loss untraced
     refuse_per_device((params, microbatches), axis_name)
     inner = find_state(state, _WHERE)
     plans, leaves, projectors, treedef = plan_leaves(inner, params, _WHERE)

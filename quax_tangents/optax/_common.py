@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import quax
 from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
@@ -25,6 +26,32 @@ AxisName = Hashable | tuple[Hashable, ...] | None
 
 # ---------------------------------------------------------------------------------------
 # Choosing the leaves to compress
+
+
+def split_arrays(params: PyTree) -> tuple[PyTree, PyTree]:
+    """`params` split as `equinox.partition(params, equinox.is_array)` splits a
+    model: its arrays, and the other leaves (an Equinox layer's activation function,
+    a dropout's rate), each tree holding `None` where the other holds a leaf."""
+    return eqx.partition(params, eqx.is_array)
+
+
+def with_others(loss_fn: Callable, others: PyTree) -> Callable:
+    """`loss_fn(params, *args)` of the arrays of `split_arrays`, with the other
+    leaves put back first. The arrays may be quax values (marked weights), which
+    are pytrees themselves: the two trees are matched at the arrays' leaves."""
+    if not jtu.tree_leaves(others):
+        return loss_fn
+
+    def leaf(x: Any) -> bool:
+        return x is None or isinstance(x, quax.Value)
+
+    def with_all_leaves(arrays: PyTree, *args: Any) -> Any:
+        params = jtu.tree_map(
+            lambda a, o: o if a is None else a, arrays, others, is_leaf=leaf
+        )
+        return loss_fn(params, *args)
+
+    return with_all_leaves
 
 
 def check_rate(min_compression_rate: Any) -> float:

@@ -24,7 +24,7 @@ from .._core._sharding import explicit_axes, spec_entries
 from ._accumulate import accumulate_gradients
 from ._apply import apply_updates
 from ._clip import check_max_norm, clipping, scaled_by_clip
-from ._common import AxisName, Filter, check_int
+from ._common import AxisName, Filter, check_int, split_arrays
 from ._decay import check_weight_decay, decayed_weights
 from ._galore_leaves import DimsSpec, LeafPlan
 from ._layerwise import layerwise
@@ -179,7 +179,9 @@ class GaLore(eqx.Module):
     def init(self, params: PyTree) -> Any:
         """The optimiser state for `params` (a tree of arrays, an Equinox model's
         arrays, a Flax `nnx.State`...). A `ValueError` if `project=` and `rows=`
-        choose no leaf: the pipeline would then be plain Adam, at Adam's memory."""
+        choose no leaf: the pipeline would then be plain Adam, at Adam's memory.
+        A whole Equinox model's leaves that are not arrays are left out."""
+        params = split_arrays(params)[0]
         state = self._per_step().init(params)
         plans = jax.tree.leaves(
             find_state(state, "`GaLore.init`").plan,
@@ -241,7 +243,11 @@ class GaLore(eqx.Module):
 
         **Returns:**
 
-        A function `(params, state, batch) -> (value, grads)`.
+        A function `(params, state, batch) -> (value, grads)`. `params` may be a
+        whole Equinox model (in a step under `equinox.filter_jit`), as for
+        `equinox.filter_value_and_grad`: its leaves that are not arrays (activation
+        functions, a dropout's rate) reach `loss_fn` as they are and get `None`
+        gradients; `init`, `update` and `apply` take the whole model too.
         """
         microbatches = check_int("microbatches", microbatches, 1)
 
@@ -268,6 +274,7 @@ class GaLore(eqx.Module):
         ([`quax_tangents.optax.layerwise`][]), so that only one layer's state is
         decoded from its 8-bit codes at once."""
         self._check_state(state, "`GaLore.update(grads, state, params)`")
+        params = split_arrays(params)[0]
         return self.transformation(params, state).update(grads, state, params)
 
     def _check_state(self, state: Any, where: str) -> None:
@@ -299,7 +306,7 @@ class GaLore(eqx.Module):
         leaves field by field: accumulate microbatches with
         `value_and_grad(loss_fn, microbatches=k)`."""
         if state is None:
-            state = jax.eval_shape(self.init, params)
+            state = jax.eval_shape(self.init, split_arrays(params)[0])
         layers = _stacked_layers(find_state(state, "`GaLore.transformation`").plan)
         tx = self._per_step()
         if self.max_grad_norm is not None:

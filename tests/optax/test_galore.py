@@ -2,6 +2,7 @@
 numbers, the same compiled memory), with one microbatch or many, and it refuses bad
 arguments by name."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +169,78 @@ def test_its_methods_jit_with_a_tree_of_bools():
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert opt.project == _blocks(params)
+
+
+class _EquinoxNet(eqx.Module):
+    """Equinox's own layers, with leaves that are not arrays: the MLP's activation
+    function, the attention's dropout rate and flag."""
+
+    attention: eqx.nn.MultiheadAttention
+    mlp: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.attention = eqx.nn.MultiheadAttention(2, D, key=keys[0])
+        self.mlp = eqx.nn.MLP(D, D, F, 1, key=keys[1])
+        self.head = eqx.nn.Linear(D, 1, key=keys[2])
+
+    def __call__(self, x):
+        x = x + self.attention(x, x, x)
+        return jax.vmap(self.head)(x + jax.vmap(self.mlp)(x))
+
+
+def _net_loss(net, batch):
+    x, y = batch
+    return jnp.mean(
+        (jax.vmap(net)(x.reshape(-1, 4, D)) - y[:, :1].reshape(-1, 4, 1)) ** 2
+    )
+
+
+def _matrices(params):
+    return jax.tree.map(lambda x: x.ndim == 2 and min(x.shape) > 2, params)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_whole_equinox_model_steps_as_its_arrays_do(microbatches):
+    # As `eqx.filter_value_and_grad` takes a whole model: the leaves that are not
+    # arrays reach the loss as they are, and the arrays step as the partitioned
+    # model's do.
+    opt = qto.galore(rank=2, learning_rate=1e-2, refresh_every=2, project=_matrices)
+    net = _EquinoxNet(jax.random.key(0))
+    params, static = eqx.partition(net, eqx.is_array)
+
+    def whole_step(net, state, batch):
+        loss, grads = opt.value_and_grad(_net_loss, microbatches=microbatches)(
+            net, state, batch
+        )
+        updates, state = opt.update(grads, state, net)
+        return opt.apply(net, updates), state, loss
+
+    def partitioned_loss(params, batch):
+        return _net_loss(eqx.combine(params, static), batch)
+
+    def partitioned_step(params, state, batch):
+        loss, grads = opt.value_and_grad(partitioned_loss, microbatches=microbatches)(
+            params, state, batch
+        )
+        updates, state = opt.update(grads, state, params)
+        return opt.apply(params, updates), state, loss
+
+    whole_step, partitioned_step = eqx.filter_jit(whole_step), jax.jit(partitioned_step)
+    state, expected_state = opt.init(net), opt.init(params)
+    for t in range(3):
+        net, state, loss = whole_step(net, state, _batch(t))
+        params, expected_state, expected = partitioned_step(
+            params, expected_state, _batch(t)
+        )
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    assert net.mlp.activation is static.mlp.activation
+    assert net.attention.dropout.p == static.attention.dropout.p
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(net, eqx.is_array)), jax.tree.leaves(params)
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_float_state_when_asked():
