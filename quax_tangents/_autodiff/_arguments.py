@@ -143,6 +143,12 @@ def returning_pair(fn: Callable, entry: str) -> Callable:
     return checked
 
 
+def _is_jax_input(x: Any) -> bool:
+    """Whether JAX traces `x` as an input: an array, a scalar or a quax value."""
+    scalars = (bool, int, float, complex, np.generic)
+    return is_value(x) or isinstance(x, (jax.Array, np.ndarray, *scalars))
+
+
 def check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
     """Like `jax.grad`, refuse integer arrays rather than return `float0` zeros.
 
@@ -151,11 +157,21 @@ def check_inexact_inputs(entry: str, positions: tuple, selected: tuple) -> None:
     `allow_int=True`."""
     for position, arg in zip(positions, selected):
         for path, leaf in jtu.tree_leaves_with_path(arg, is_leaf=is_value):
+            which = f"its leaf {jtu.keystr(path)}" if path else "it"
+            if not _is_jax_input(leaf):
+                raise TypeError(
+                    f"`{entry}` differentiates argument {position} (selected by "
+                    f"`argnums`), but {which} is {describe(leaf)}, which JAX cannot "
+                    "trace (an Equinox layer's activation function, say). Split the "
+                    "model first, `arrays, static = eqx.partition(model, "
+                    "eqx.is_inexact_array)`, and differentiate `lambda arrays: "
+                    "loss(eqx.combine(arrays, static))`; `qto.galore(...)"
+                    ".value_and_grad` takes a whole Equinox model."
+                )
             if isinstance(leaf, (bool, int)) or jnp.issubdtype(
                 dtype_of(leaf), jnp.inexact
             ):
                 continue
-            which = f"its leaf {jtu.keystr(path)}" if path else "it"
             raise TypeError(
                 f"`{entry}` differentiates argument {position} (selected by "
                 f"`argnums`), but {which} has dtype {dtype_of(leaf)}; gradients need "

@@ -453,6 +453,20 @@ def test_gradients_of_integer_inputs_are_refused(entry):
     assert_close(grads["w"], jnp.full(W[0].shape, 2.0))
 
 
+@pytest.mark.parametrize("entry", ["grad", "value_and_grad"])
+def test_a_leaf_that_jax_cannot_trace_is_named_with_the_split(entry):
+    # `jax.grad` of a whole Equinox model fails on its activation function; the
+    # error says which leaf and how to split the model.
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"its leaf \.activation is a .*eqx\.partition"):
+        getattr(qt, entry)(lambda m: jnp.sum(m(jnp.ones(3))))(mlp)
+    arrays, static = eqx.partition(mlp, eqx.is_inexact_array)
+    grads = qt.grad(lambda a: jnp.sum(eqx.combine(a, static)(jnp.ones(3))))(arrays)
+    expected = jax.grad(lambda a: jnp.sum(eqx.combine(a, static)(jnp.ones(3))))(arrays)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        assert_close(a, b)
+
+
 def test_jvp_needs_tuples_of_primals_and_tangents():
     with pytest.raises(
         TypeError,
