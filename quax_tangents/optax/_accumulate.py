@@ -457,9 +457,8 @@ def accumulate_gradients(
     - `loss_fn`: `loss_fn(params, microbatch) -> loss` (or `(loss, aux)` with
         `has_aux`), the mean loss of one microbatch, *without* marks: this function
         applies them.
-    - `params`: the parameters, with the structure the state was initialised with;
-        or a whole Equinox model, whose leaves that are not arrays reach `loss_fn` as
-        they are, with `None` gradients (as `equinox.filter_value_and_grad` gives).
+    - `params`: the parameters, with the structure the state was initialised with
+        (or a whole Equinox model: leaves that are not arrays get `None` gradients).
     - `state`: the state of `projected`, or one that contains it.
     - `microbatches`: a pytree whose leaves have a leading axis of length `k`, one
         entry per microbatch (of equal sizes, so that the mean of their mean losses
@@ -486,8 +485,9 @@ def accumulate_gradients(
         weight, dim for dim, the weight's other mesh axis on its rows where it
         divides them (else on the rank), so that each device holds its share and
         each microbatch's factors are reduce-scattered into it, not all-reduced
-        into a copy on every device. `None` (the default) leaves their layout to XLA, which replicates
-        them. A leaf that `dims=` views as other matrices is left to XLA.
+        into a copy on every device. `None` (the default) leaves their layout to
+        XLA, which replicates them. A leaf that `dims=` views as other matrices is
+        left to XLA.
     - `axis_name`: data parallel inside `jax.shard_map`, each device holding its
         share of the batch (split into `k` microbatches on every device) and the
         parameters and state replicated: the mesh axis (or tuple of axes) the
