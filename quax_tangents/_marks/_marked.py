@@ -6,7 +6,7 @@ runs through a `jax.custom_vjp` whose backward pass gives the weight the `OuterS
 the product's input and output cotangent (`outer_sum_p`), never the dense gradient;
 a transpose or a floating cast keeps the mark; any other use takes the weight itself
 and makes its cotangent dense, counted (`Marked.default`). Row gathers of a row-marked
-table, reshaped views and device-varying marks live in `_marked_rows`,
+or projected table, reshaped views and device-varying marks live in `_marked_rows`,
 `_marked_views` and `_marked_sharding`, its products and transposes in `_marked_dot`;
 `_marks/__init__.py` imports them all, which registers their rules.
 """
@@ -111,11 +111,11 @@ class Marked(quax.ArrayValue):
             _fallback.record_densification(
                 primitive.name,
                 ("Marked",),
-                "a use of a marked weight other than a matmul (or a row gather of a "
-                "row-marked table) gives it a dense cotangent",
-                "An embedding table read by a gather takes row-sparse gradients: "
-                "give it to `rows=` (of `quax_tangents.optax.galore` or `projected`) "
-                "instead of `project=`. A weight viewed with `dims=` keeps its mark "
+                "a use of a marked weight other than a matmul (or a gather of whole "
+                "rows of a 2-D table) gives it a dense cotangent",
+                "A table read by gathers of whole rows keeps its mark when it is "
+                "2-D, not transposed and not viewed with `dims=`. A weight viewed with "
+                "`dims=` keeps its mark "
                 "only where a product contracts the view's rows or columns whole: "
                 "check that `dims=` groups the dims the model contracts. Any other "
                 "such weight, leave it out of `project=` (its gradient is computed "

@@ -65,15 +65,20 @@ _rows_gather = jax.custom_vjp(_Gather.bind, nondiff_argnums=(0,))
 _rows_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@rule(jax.lax.gather_p, dense_output=True)
-def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
-    rows_read = (
-        table.kind == "rows"
+def _reads_rows(table: Marked) -> bool:
+    """Whether a row read of `table` emits the rows it read as its cotangent: a
+    row-marked table, or a projected one (projected from those rows by `finish`)."""
+    return (
+        table.kind in ("rows", "projected")
         and not table.transposed
         and table.view is None
         and table.ndim == 2
     )
-    if not rows_read or _row_position(params, table.shape) is None:
+
+
+@rule(jax.lax.gather_p, dense_output=True)
+def _gather_marked(table: Marked, indices: ArrayLike, **params: Any) -> Array:
+    if not _reads_rows(table) or _row_position(params, table.shape) is None:
         return Marked.default(jax.lax.gather_p, (table, indices), params)
     gather = _Gather(tuple(sorted(params.items())))
     return _cast(_rows_gather(gather, table.array, indices), table.compute_dtype)
@@ -113,13 +118,7 @@ _rows_slice.defvjp(_slice_fwd, _slice_bwd)
 def _slice_marked(
     table: Marked, row: ArrayLike, column: ArrayLike, *, slice_sizes: tuple
 ) -> Array:
-    rows_read = (
-        table.kind == "rows"
-        and not table.transposed
-        and table.view is None
-        and table.ndim == 2
-    )
-    if not rows_read or tuple(slice_sizes) != (1, table.shape[1]):
+    if not _reads_rows(table) or tuple(slice_sizes) != (1, table.shape[1]):
         return Marked.default(
             jax.lax.dynamic_slice_p, (table, row, column), dict(slice_sizes=slice_sizes)
         )

@@ -405,6 +405,26 @@ def _factor_products(left: Array, right: Array) -> tuple[Callable, Callable]:
     return (lambda v: mm(left, mm(right.T, v))), (lambda u: mm(right, mm(left.T, u)))
 
 
+def project_rows(spec: Finish, ct: SparseRows, operands: tuple) -> LowRank:
+    """The projection of a table's gradient that row gathers made (one slice)."""
+    apply, apply_t = _rows_products(ct.indices, ct.rows, ct.num_rows)
+    shape = (ct.num_rows, ct.rows.shape[1])
+    return _projected(spec, operands, apply, apply_t, shape, ct.rows.dtype)
+
+
+def _rows_products(ids: Array, rows: Array, num_rows: int) -> tuple[Callable, Callable]:
+    """`v -> G v` and `u -> G^T u` for the `(num_rows, d)` gradient `G` that
+    holds `rows[i]` added at row `ids[i]`: products with the rows read, never
+    with a table-sized array (`G v` is a scatter-add of `rows @ v`)."""
+    rows = rows.astype(_work_dtype(rows.dtype))
+    mm = _sharding.matmul
+
+    def apply(v: Array) -> Array:
+        return jnp.zeros((num_rows, v.shape[1]), v.dtype).at[ids].add(mm(rows, v))
+
+    return apply, (lambda u: mm(rows.T, u[ids]))
+
+
 def _dense_products(g: Array) -> tuple[Callable, Callable]:
     g = g.astype(_work_dtype(g.dtype))
     return (lambda v: _sharding.matmul(g, v)), (lambda u: _sharding.matmul(g.T, u))
@@ -500,6 +520,9 @@ def _finish_array(ct: ArrayLike, *operands: ArrayLike, spec: Finish) -> Any:
 
 @rule(finish_p)
 def _finish_rows(ct: SparseRows, *operands: ArrayLike, spec: Finish) -> Any:
+    if spec.kind == "projected" and ct.indices.ndim == 1 and ct.rows.ndim == 2:
+        # A table read by row gathers, projected from the rows read.
+        return typed_as(project_rows(spec, ct, operands), ct.aval())
     if spec.kind != "rows":
         record_densification(finish_p.name, ("SparseRows",), "a row gather of a matrix")
         dense = ct.materialise()

@@ -9,6 +9,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import quax_tangents as qt
 from tests.helpers import assert_close, heads, random_array
@@ -228,10 +229,6 @@ DENSE_USES = {
         lambda w: jnp.sum(jnp.sin(w.reshape(-1))),
         "reshape",
     ),
-    "a gather of a projected weight": (
-        lambda w: jnp.sum(jnp.sin(w[jnp.asarray([1, 3, 3])])),
-        "gather",
-    ),
     "a contraction of both dims": (
         lambda w: jnp.einsum("mn,mn->", w, w),
         "dot_general",
@@ -263,24 +260,45 @@ def test_every_dense_cotangent_of_a_mark_is_counted(use):
     assert_close(grad, p @ (p.T @ g))
 
 
-def test_a_projected_table_read_by_a_gather_is_told_about_rows():
-    # An embedding table selected by `project=`: the warning points at the
-    # gather's line in the loss and names `rows=`; the total's names its cause.
-    w = random_array(0, (M, N))
-    p = _orthonormal(3, M, RANK)
-    index = jnp.asarray([1, 3, 3])
+@settings(max_examples=10)
+@given(
+    rows=st.integers(2, 30),
+    cols=st.integers(2, 12),
+    reads=st.integers(1, 12),
+    rank_fraction=st.floats(0.0, 1.0),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    given_projector=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_projected_table_read_by_row_gathers_is_projected_from_the_rows(
+    rows, cols, reads, rank_fraction, dtype, given_projector, seed
+):
+    # An embedding table chosen by `project=`: its gradient is projected from the
+    # rows read, never as a table, and equals the projection of the dense gradient
+    # (the same table read by a one-hot matmul, whose cotangent is an outer sum).
+    rank = 1 + int(rank_fraction * (min(rows, cols) - 1))
+    table = random_array(seed, (rows, cols)).astype(dtype)
+    ids = jax.random.randint(jax.random.key(seed), (reads,), -1, rows)  # -1: the last
+    h = random_array(seed + 1, (reads, cols))
+    side = min(rows, cols)
+    projector = _orthonormal(seed + 2, side, rank) if given_projector else None
 
-    def loss(w):
-        w = qt.projected_cotangent(w, RANK, projector=p)
-        return jnp.sum(jnp.sin(jnp.take(w, index, axis=0)))
+    def mark(w):
+        key = jax.random.key(seed + 3)
+        return qt.projected_cotangent(w, rank, projector=projector, key=key)
 
-    qt.reset_fallback_counts()
-    with pytest.warns(qt.DensificationWarning) as caught:
-        qt.grad(loss)(w)
-    messages = {str(w.message).split("`")[1]: w for w in caught}
-    assert "give it to `rows=`" in str(messages["gather"].message)
-    assert messages["gather"].filename == __file__
-    assert "counted under that primitive too" in str(messages["finish"].message)
+    def gathered(w):
+        return jnp.sum(jnp.sin(mark(w)[ids]) * h)
+
+    def one_hot(w):
+        read = jax.nn.one_hot(ids % rows, rows, dtype=w.dtype) @ mark(w)
+        return jnp.sum(jnp.sin(read) * h)
+
+    with qt.fallback("error"):
+        grad = qt.grad(gathered)(table)
+        expected = qt.grad(one_hot)(table)
+    assert isinstance(grad, qt.LowRank) and grad.dtype == dtype
+    assert_close(qt.materialise(grad), qt.materialise(expected), factor=50)
 
 
 def test_two_matmuls_of_one_weight_add_up_without_densifying():
@@ -506,6 +524,24 @@ def test_a_tied_table_adds_a_dense_term_counted():
         ("finish", "Marked"): 1,
     }
     assert_close(grad, jax.grad(loss)(table, False))
+
+
+@pytest.mark.parametrize("read", READS)
+def test_every_row_read_of_a_projected_table_keeps_it_compressed(read):
+    table = random_array(0, (V, D))
+    projector = _orthonormal(1, D, RANK)  # V > D: the projection of G's columns
+
+    def loss(table, marked):
+        if marked:
+            table = qt.projected_cotangent(table, RANK, projector=projector)
+        return jnp.sum(jnp.sin(READS[read](table, IDS)) * jnp.arange(D))
+
+    with qt.fallback("error"):
+        grad = qt.grad(loss)(table, True)
+    g = jax.grad(loss)(table, False)
+    assert_close(qt.materialise(grad), (g @ projector) @ projector.T)
+    compiled = jax.jit(qt.grad(loss), static_argnums=1)
+    assert _produced(compiled, (table, True), f"f32[{V},{D}]") == []
 
 
 def test_a_per_head_weight_contracted_over_its_stack_dim_names_the_matrix_layout():
