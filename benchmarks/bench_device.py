@@ -507,7 +507,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--arms",
         nargs="+",
-        choices=(*bs.ARMS, bs.CLIP_ARM, bs.ADAMW_ARM, bs.SIMPLE_ARM),
+        choices=(*bs.ARMS, bs.CLIP_ARM, bs.ADAMW_ARM, bs.ALL_ARM, bs.SIMPLE_ARM),
         default=bs.QUICK_ARMS,
     )
     parser.add_argument(

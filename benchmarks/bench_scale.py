@@ -18,6 +18,9 @@ stacked, `lax.scan`, one `remat` per block) with bfloat16 weights, sequence leng
   gradients clipped to a global norm;
 - `projected-8bit-adamw` (with `--arms` only): the same with `max_grad_norm=1.0` and
   `weight_decay=0.1`, the usual LLM optimiser (`optax.adamw` after a clip);
+- `projected-8bit-all` (with `--arms` only): the same with `project=None`, its
+  default: every matrix projected, the embedding table (read by a gather) and the
+  head included, where the other arms project the block matrices as the paper does;
 - `marks-8bit` (with `--accumulation 1` only): the step of one microbatch with the
   pieces put together by hand, without `qto.galore`: marks in the loss,
   `qt.value_and_grad`, `qto.layerwise` around the 8-bit projected Adam (without it,
@@ -134,6 +137,8 @@ CLIP_ARM = "projected-8bit-clip"
 # The usual LLM optimiser, `optax.chain(optax.clip_by_global_norm(1.0),
 # optax.adamw(lr, weight_decay=0.1))`, as `qto.galore` takes it.
 ADAMW_ARM = "projected-8bit-adamw"
+# `qto.galore` with `project=None`: every matrix, the embedding and the head too.
+ALL_ARM = "projected-8bit-all"
 GIB = 2**30
 
 
@@ -197,7 +202,7 @@ def pipeline(config: LlamaConfig, arm: str) -> qto.GaLore:
         learning_rate=LEARNING_RATE,
         refresh_every=REFRESH_EVERY,
         scale=GALORE_SCALE,
-        project=_block_matrices,
+        project=None if arm == ALL_ARM else _block_matrices,
         state_bits=None if arm == "projected" else 8,
         max_grad_norm=1.0 if arm in (CLIP_ARM, ADAMW_ARM) else None,
         weight_decay=0.1 if arm == ADAMW_ARM else 0.0,
@@ -1252,7 +1257,7 @@ def _model_order(model: str) -> int:
 
 
 def _arm_order(arm: str) -> int:
-    order = (*ARMS, CLIP_ARM, ADAMW_ARM, SIMPLE_ARM)
+    order = (*ARMS, CLIP_ARM, ADAMW_ARM, ALL_ARM, SIMPLE_ARM)
     return order.index(arm) if arm in order else len(order)
 
 
@@ -1445,7 +1450,7 @@ def parse_args(argv):
         "--models", nargs="+", choices=(*MODELS, *VARIANTS), help="with --target"
     )
     parser.add_argument(
-        "--arms", nargs="+", choices=(*ARMS, CLIP_ARM, ADAMW_ARM, SIMPLE_ARM)
+        "--arms", nargs="+", choices=(*ARMS, CLIP_ARM, ADAMW_ARM, ALL_ARM, SIMPLE_ARM)
     )
     parser.add_argument(
         "--accumulation",
