@@ -51,7 +51,7 @@ from .._marks._sources import PHASE_GIVEN
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
-from ._common import split_arrays, with_others
+from ._common import split_arrays, traced, with_others
 from ._data_parallel import (
     WHERE as _WHERE,
     check_axis_name,
@@ -107,6 +107,24 @@ def _contribution(grad: Any, plan: LeafPlan | None, path: str) -> Any:
     return grad
 
 
+def _zeros(shape: tuple, dtype: Any, layout: Callable, n: int) -> Array:
+    """Leaf `n`'s running sum at the start, laid out by `layout(n, ...)`."""
+    return constrain(
+        jnp.zeros(shape, dtype), layout(n, jax.ShapeDtypeStruct(shape, dtype))
+    )
+
+
+def _check_sums(parts: list, totals: list, paths: list) -> None:
+    """A mark that adds into a running sum returns it: same shape and dtype."""
+    for part, total, path in zip(parts, totals, paths):
+        if total is not None and (part.shape, part.dtype) != (total.shape, total.dtype):
+            raise AssertionError(
+                f"{_WHERE}: the projected factor of `{path}` is "
+                f"{part.dtype}{list(part.shape)}, its running sum "
+                f"{total.dtype}{list(total.shape)}."
+            )
+
+
 def _trips(
     loss_fn: Callable,
     params: PyTree,
@@ -160,12 +178,13 @@ def _trips(
         return loss_fn(jtu.tree_unflatten(treedef, marked), batch)
 
     value_and_grad = _ad.value_and_grad(loss_of, argnums=0, has_aux=has_aux)
-    none = [None] * len(plans)
 
     def one(
-        batch: Any, modes: list, totals: list = none, params: PyTree = params
+        batch: Any, t: Array, state: Any, totals: list, weights: list
     ) -> tuple[Array, Any, list]:
-        value, grads = value_and_grad(params, batch, modes, totals)
+        value, grads = value_and_grad(
+            with_weights(weights), batch, modes(t, state), totals
+        )
         loss, aux = value if has_aux else (value, None)
         flat = treedef.flatten_up_to(grads)
         parts = [_contribution(g, p, path) for g, p, path in zip(flat, plans, paths)]
@@ -173,15 +192,25 @@ def _trips(
 
     k = jtu.tree_leaves(microbatches)[0].shape[0]
     first = jtu.tree_map(lambda x: x[0], microbatches)
-    shapes = jax.eval_shape(lambda b, s: one(b, modes(jnp.int32(0), s)), first, state)
-    summed = [not isinstance(s, SparseRows) for s in shapes[2]]
-    # Each projected leaf's mark adds its product into the sum itself.
+    leaves = treedef.flatten_up_to(params)
+    # Each projected leaf's mark adds its product into the running sum itself: the
+    # small factor, whose shape its plan gives.
     into = [p is not None and p.kind == "project" for p in plans]
+    totals = vary(
+        [
+            _zeros(plans[n].factor_shape, leaves[n].dtype, layout, n) if add else None
+            for n, add in enumerate(into)
+        ]
+    )
+    weights, with_weights = _loop_weights(params, treedef, carried)
+    # The model's pass is traced once: its shapes give the loop's carry, and the
+    # loop's body replays it (tracing it again would double the step's lowering).
+    replay, shapes = traced(one, first, jnp.int32(0), state, totals, weights)
+    _check_sums(shapes[2], totals, paths)
+    summed = [not isinstance(s, SparseRows) for s in shapes[2]]
 
     def stacked(x: Any) -> Any:
         return jnp.zeros((k, *x.shape), x.dtype)
-
-    weights, with_weights = _loop_weights(params, treedef, carried)
 
     def body(carry: tuple) -> tuple:
         j, weights, state, loss_sum, sums, aux, rows = carry
@@ -208,9 +237,7 @@ def _trips(
         # GiB against 0.37 tied).
         batch, _ = jax.lax.optimization_barrier((batch, j))
         totals = [s if add else None for s, add in zip(sums, into)]
-        loss, one_aux, parts = one(
-            batch, modes(t, state), totals, with_weights(weights)
-        )
+        loss, one_aux, parts = replay(batch, t, state, totals, weights)
         sums = [
             constrain(x if add else s + x, layout(n, x))
             if x is not None and (keep or add)
@@ -228,10 +255,10 @@ def _trips(
         state = after(t, i == k - 1, state, sums)
         return j + 1, weights, state, vary(loss_sum + loss), vary(sums), aux, rows
 
+    # Made again, not reused from the trace's: in the order of the leaves, as the
+    # carry takes them.
     zeros = [
-        constrain(jnp.zeros(s.shape, s.dtype), layout(n, s))
-        if keep and s is not None
-        else None
+        _zeros(s.shape, s.dtype, layout, n) if keep and s is not None else None
         for n, (s, keep) in enumerate(zip(shapes[2], summed))
     ]
     rows = [

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import quax
+from jax.extend import core as jax_core
 from jaxtyping import Array, PyTree
 
 from .._core._base import CompressedArray
@@ -284,3 +285,20 @@ def base_update(
             "`optax.adamw`'s decoupled weight decay pass `weight_decay=` and "
             "`learning_rate=` to `quax_tangents.optax.galore`."
         ) from error
+
+
+# ---------------------------------------------------------------------------------------
+# Tracing once
+
+
+def traced(fn: Callable, *args: Any) -> tuple[Callable, Any]:
+    """`fn` traced once at `args`: a function that replays its equations on other
+    values of the same types (as tracing `fn` again would emit them, without running
+    its Python again), and the shapes of its result."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    run, out_tree = jax_core.jaxpr_as_fun(closed), jtu.tree_structure(shapes)
+
+    def replay(*args: Any) -> Any:
+        return jtu.tree_unflatten(out_tree, run(*jtu.tree_leaves(args)))
+
+    return replay, shapes

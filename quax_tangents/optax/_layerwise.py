@@ -14,13 +14,12 @@ import optax
 from jax import lax
 from jaxtyping import PyTree
 
-from .._core._fallback import dry_run
 from .._core._guard import guard, is_guard
 from .._core._sharding import like
 from .._types.lowrank import LowRank
 from .._types.rows import SparseRows
 from ._apply import is_compressed
-from ._common import Filter, check_int, mask_flags
+from ._common import Filter, check_int, mask_flags, traced
 from ._projected import ProjectedState
 from ._stacks import per_layer
 
@@ -326,13 +325,10 @@ class _Loop:
         for k in range(first, first + grad_arrays[index]):
             self.array_rows[k] = None
 
-    def one(
-        self, layer: Any, state_leaves: list, sources: dict | None = None
-    ) -> tuple[list, list, list]:
-        """`tx.update` on slice `layer`: the new state's, the updates' and the
-        sliced gradients' flat arrays. `sources` maps a gradient array to the
-        buffer it is read from instead (the updates' buffer it is written over)."""
-        sources = sources or {}
+    def read(self, layer: Any, sources: dict) -> tuple[list, list | None]:
+        """Slice `layer` of the gradients' flat arrays and of the parameters' leaves.
+        `sources` maps a gradient array to the buffer it is read from instead (the
+        updates' buffer it is written over)."""
         g = [
             a
             if r is None
@@ -341,21 +337,27 @@ class _Loop:
             else r.read(a, layer)
             for k, (a, r) in enumerate(zip(self.arrays, self.array_rows))
         ]
-        g_leaves = jtu.tree_unflatten(self.arrays_def, g)
+        if self.param_leaves is None:
+            return g, None
+        return g, [
+            x if r is None else r.read(x, layer)
+            for x, r in zip(self.param_leaves, self.param_rows)
+        ]
+
+    def update(
+        self, g: list, param_leaves: list | None, state_leaves: list
+    ) -> tuple[list, PyTree]:
+        """`tx.update` on one slice: the new state's flat arrays and the updates."""
         p = None
-        if self.param_leaves is not None:
-            p = jtu.tree_unflatten(
-                self.treedef,
-                [
-                    x if r is None else r.read(x, layer)
-                    for x, r in zip(self.param_leaves, self.param_rows)
-                ],
-            )
-        s = jtu.tree_unflatten(self.one_def, state_leaves)
+        if param_leaves is not None:
+            p = jtu.tree_unflatten(self.treedef, param_leaves)
         out, new_state = self.tx.update(
-            jtu.tree_unflatten(self.treedef, g_leaves), s, p, **self.extra
+            jtu.tree_unflatten(self.treedef, jtu.tree_unflatten(self.arrays_def, g)),
+            jtu.tree_unflatten(self.one_def, state_leaves),
+            p,
+            **self.extra,
         )
-        return jtu.tree_leaves(new_state), jtu.tree_leaves(out), g
+        return jtu.tree_leaves(new_state), out
 
     def state_slice(self, layer: Any, carried: list) -> list:
         # Leaves passed whole are read as they were before the step, so that every
@@ -373,18 +375,19 @@ class _Loop:
         passthrough: list[Any] = []
         state_passthrough: list[Any] = []
 
-        def probe(layer: Any) -> list:
-            state, out, g = self.one(layer, self.state_slice(layer, self.state_leaves))
+        def probe(g: list, param_leaves: list | None, state_leaves: list) -> tuple:
+            state, out = self.update(g, param_leaves, state_leaves)
             ids = {id(x): k for k, x in enumerate(g)}
-            passthrough.extend(ids.get(id(x)) for x in out)
+            passthrough.extend(ids.get(id(x)) for x in jtu.tree_leaves(out))
             state_passthrough.extend(ids.get(id(x)) for x in state)
-            return out
+            return state, out
 
-        # Shape discovery: the loop's own trace counts any densification once.
-        with dry_run():
-            one_out = jax.eval_shape(probe, 0)
-            whole = self._whole_update_shape()
-        self.full_out, self.out_def = jtu.tree_flatten(whole)
+        # One slice's update is traced once, here (where any densification is
+        # counted): the loop's body replays it, and its shapes give the loop's.
+        state_leaves = self.state_slice(0, self.state_leaves)
+        self.replay, (_, out) = traced(probe, *self.read(0, {}), state_leaves)
+        one_out, self.out_def = jtu.tree_flatten(out)
+        self.full_out = self._whole_outputs(one_out)
         out_cut = _output_cuts(self.out_def, self.treedef, self.cut)
         self.out_rows = [
             _rows(f, c, self.layers) for f, c in zip(self.full_out, out_cut)
@@ -397,16 +400,30 @@ class _Loop:
             for old, r, p in zip(self.state_leaves, self.state_rows, state_passthrough)
         ]
 
-    def _whole_update_shape(self) -> Any:
-        """The shapes of `tx.update` on the whole tree (what the loop writes)."""
-        return jax.eval_shape(
-            lambda g, s, p: self.tx.update(g, s, p, **self.extra)[0],
-            jtu.tree_unflatten(self.treedef, self.grads),
-            self.state,
-            None
-            if self.param_leaves is None
-            else jtu.tree_unflatten(self.treedef, self.param_leaves),
-        )
+    def _whole_outputs(self, one_out: list) -> list:
+        """The updates' flat shapes for the whole tree, from one slice's (not from
+        `tx.update` traced on the whole tree, which would cost as much as the loop's
+        own trace): a split leaf's arrays are its slice's with the leaf's rows."""
+        marks = jtu.tree_unflatten(self.out_def, list(range(len(one_out))))
+        rows_of: list[_Rows | None] = [None] * len(one_out)
+        for leaf, rows in zip(self.treedef.flatten_up_to(marks), self.param_rows):
+            for index in jtu.tree_leaves(leaf):
+                rows_of[index] = rows
+        whole = []
+        for part, rows in zip(one_out, rows_of):
+            if rows is None:
+                whole.append(part)
+                continue
+            if not part.shape or part.shape[0] != rows.size:
+                raise ValueError(
+                    f"{_WHERE}: an update of one of {self.layers} slices has shape "
+                    f"{list(part.shape)}, not {rows.size} rows of its leaf's "
+                    f"{rows.total}: `tx` does not update the slices independently."
+                )
+            whole.append(
+                jax.ShapeDtypeStruct((rows.total, *part.shape[1:]), part.dtype)
+            )
+        return whole
 
     def _same_array(self, state_leaf: Any, rows: Any, k: int) -> bool:
         """Whether gradient array `k` can stand for a new state leaf whose slices
@@ -477,9 +494,9 @@ class _Loop:
         def body(layer: Any, carry: tuple) -> tuple:
             carried_state, carried_out = carry
             sources = {g: carried_out[o] for o, g in pairs.items()}
-            new_state, out, _ = self.one(
-                layer, self.state_slice(layer, carried_state), sources
-            )
+            state_leaves = self.state_slice(layer, carried_state)
+            new_state, out = self.replay(*self.read(layer, sources), state_leaves)
+            out = jtu.tree_leaves(out)
             carried_state = [
                 None
                 if p is not None

@@ -66,6 +66,27 @@ _TX = qto.projected(
 )
 
 
+def test_the_models_pass_is_traced_once():
+    # The loop over (trip, microbatch) replays the one trace that gives its carry's
+    # shapes: `loss_fn`'s Python runs once per step, on a refresh step with power
+    # iterations as on any (twice before, the first only for the shapes).
+    rng = np.random.default_rng(0)
+    params = _params(rng)
+    state = _TX.init(params)
+    calls = []
+
+    def loss(params, batch):
+        calls.append(None)
+        return _loss(params, batch)
+
+    jax.jit(
+        lambda p, s, b: qto.accumulate_gradients(
+            loss, p, s, b, key=jax.random.key(0), iters=1
+        )
+    ).lower(params, state, _batches(rng))
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("iters", [0, 1])
 def test_microbatches_give_the_full_batch_projected_gradient(iters):
     rng = np.random.default_rng(0)

@@ -180,6 +180,44 @@ def test_a_vector_goes_whole_and_the_state_layout_takes_one_init():
     jax.tree.map(assert_close, new_state, expected_state)
 
 
+@projects_dense_gradients
+def test_the_update_of_one_slice_is_traced_once():
+    # The loop's body replays the one trace that gives its shapes: `tx.update`'s
+    # Python runs once per `layerwise` update, whatever the leaves and the cuts
+    # (three times before: a probe of one slice, the whole tree's shapes, the body).
+    params = _params(0, 3, 1)
+    grads = jax.tree.map(lambda x: random_array(5, jnp.shape(x)), params)
+    tx = _transformations(3)["8-bit projected"]
+    calls = []
+
+    def update(updates, state, params=None):
+        calls.append(None)
+        return tx.update(updates, state, params)
+
+    counted = optax.GradientTransformation(tx.init, update)
+    state = tx.init(params)
+    with per_layer():
+        expected, expected_state = tx.update(grads, state, params)
+    updates, new_state = qto.layerwise(counted, layers=3).update(grads, state, params)
+    assert len(calls) == 1
+    jax.tree.map(assert_close, updates, expected, is_leaf=qto_leaf)
+    jax.tree.map(assert_close, new_state, expected_state)
+
+
+def test_an_update_that_changes_a_slices_rows_raises():
+    # A slice's update must be that slice's rows of the whole update.
+    params = {"w": random_array(0, (3, 4, 6))}
+    swapped = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: jnp.swapaxes(x, 0, -1), u), s),
+    )
+    tx = qto.layerwise(swapped, layers=3)
+    with pytest.raises(
+        ValueError, match=r"shape \[6, 4, 1\], not 1 rows.*of its leaf's 3"
+    ):
+        tx.update(params, tx.init(params), params)
+
+
 def test_layers_must_be_a_positive_int():
     with pytest.raises(ValueError, match="layers"):
         qto.layerwise(optax.adam(0.1), layers=0)
