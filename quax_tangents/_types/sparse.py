@@ -22,7 +22,14 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import _validate
 from .._core._base import ChunkCompressor, CompressedArray, densify, install_guard
-from .._core._devices import axis_size, gather_along, varying_alike
+from .._core._compat import psum_invariant_p, pvary_p
+from .._core._devices import (
+    axis_size,
+    dense_all_reduce,
+    gather_along,
+    vary_leaf,
+    varying_alike,
+)
 from .._core._fallback import record_dense_result, record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -598,3 +605,50 @@ def _add_into_dense(s: Sparse, d: ArrayLike, *, primitive: jexc.Primitive) -> Ar
         "into the dense operand",
     )
     return _add_into_dense_kernel(s, d)
+
+
+# ---------------------------------------------------------------------------------------
+# Sums over devices (inside `jax.shard_map`)
+
+
+@rule(pvary_p)
+def _pvary(x: Sparse, *, axes: tuple) -> Sparse:
+    """Typed as varying over `axes` (a replicated value meeting a device-varying
+    one): its indices and values are. The values are unchanged."""
+    axes = tuple(axes)
+    return Sparse._build(
+        vary_leaf(x.indices, axes), vary_leaf(x.values, axes), x.event_shape
+    )
+
+
+def _gather_is_cheaper(x: Sparse, devices: int) -> bool:
+    """Whether each device receives no more gathering every device's entries (and
+    their indices) than a ring all-reduce of the dense array, which receives about
+    twice the array."""
+    gathered = devices * _sparse_bytes(x.indices.size, x.dtype)
+    return gathered <= 2 * _dense_bytes(x.shape, x.dtype)
+
+
+@rule(psum_invariant_p)
+def _psum_invariant(x: Sparse, *, axes: tuple) -> Sparse | Array:
+    """The sum over devices that `lax.psum` of a device-varying `Sparse` binds
+    inside `shard_map`: every device's entries side by side (`devices * k` of
+    them, a repeated index adding up), exact.
+
+    Where that would receive more than a dense all-reduce of the array (a large
+    `k`, or many devices), the dense arrays are summed instead, exact and
+    counted."""
+    axes = tuple(axes)
+    devices = axis_size(axes)
+    if devices == 1 or _gather_is_cheaper(x, devices):
+        return x.all_reduce(axes)
+    total = dense_all_reduce(x.materialise(), axes)
+    record_densification(
+        psum_invariant_p.name,
+        ("Sparse",),
+        f"gathering {devices} devices' {x.k} entries of an array of "
+        f"{_size(x.shape)} would receive more than a dense all-reduce of it",
+        "The dense sum is the cheaper exact one here; hide this with "
+        "`quax_tangents.fallback('silent')`.",
+    )
+    return total

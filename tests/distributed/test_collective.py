@@ -169,7 +169,6 @@ def test_all_reduce_rejects_a_method_for_another_type():
 # lax.psum on a compressed value inside a quaxified function
 
 
-@needs_devices
 def _psum_of_low_rank(rank):
     def body(x):
         return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.low_rank(x[0], rank))
@@ -177,11 +176,21 @@ def _psum_of_low_rank(rank):
     return body
 
 
+def _psum_of_top_k(k):
+    def body(x):
+        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.top_k(x[0], k))
+
+    return body
+
+
+@needs_devices
 def test_lax_psum_under_quax_with_check_vma():
     """A LowRank's type says where its factors vary, so `lax.psum` of it (bound as
     `psum_invariant`) is the exact `all_reduce`: every device's factors side by
-    side, under the rank budget. The other types have no rule for it: the dense
-    sum, counted, with `all_reduce` named in the fallback's message."""
+    side, under the rank budget. A `Sparse` gathers every device's entries while
+    that receives no more than a dense all-reduce. The other types have no rule
+    for it: the dense sum, counted, with `all_reduce` named in the fallback's
+    message."""
     xs = _per_device_matrices()
     m, n = xs[0].shape
     assert DEVICES * 1 * (m + n) < m * n <= DEVICES * 2 * (m + n)
@@ -203,17 +212,24 @@ def test_lax_psum_under_quax_with_check_vma():
         out = on_mesh(_psum_of_low_rank(2), P(AXIS), P())(split(xs))
     assert isinstance(out, qt.LowRank) and out.rank < DEVICES * 2
 
-    def sparse_body(x):
-        return quax.quaxify(lambda v: lax.psum(v, AXIS))(qt.top_k(x[0], 7))
-
+    # `k=7`: 4 devices' 7 entries (8 bytes each) against twice the 12 x 10 float32
+    # array; `k=60` receives more than that.
+    assert DEVICES * 7 * 8 <= 2 * 120 * 4 < DEVICES * 60 * 8
     qt.reset_fallback_counts()
+    out = on_mesh(_psum_of_top_k(7), P(AXIS), P())(split(xs))
+    assert isinstance(out, qt.Sparse) and out.k == DEVICES * 7
+    assert_close(out, sum(qt.materialise(qt.top_k(x, 7)) for x in xs))
+    assert qt.fallback_counts() == {}
     with qt.fallback("silent"):
-        dense = on_mesh(sparse_body, P(AXIS), P())(split(xs))
-    expected = sum(qt.materialise(qt.top_k(x, 7)) for x in xs)
-    assert_close(dense, expected)
+        dense = on_mesh(_psum_of_top_k(60), P(AXIS), P())(split(xs))
+    assert not isinstance(dense, qt.Sparse)
+    assert_close(dense, sum(qt.materialise(qt.top_k(x, 60)) for x in xs))
     assert qt.fallback_counts() == {("psum_invariant", "Sparse"): 1}
+    with qt.fallback("error"), pytest.raises(qt.DensificationError, match="cheaper"):
+        on_mesh(_psum_of_top_k(60), P(AXIS), P())(split(xs))
+    signs = quax.quaxify(lambda v: lax.psum(v, AXIS))
     with qt.fallback("error"), pytest.raises(qt.DensificationError, match="all_reduce"):
-        on_mesh(sparse_body, P(AXIS), P())(split(xs))
+        on_mesh(lambda x: signs(qt.sign_norm(x[0])), P(AXIS), P())(split(xs))
 
 
 def _rows_per_device(k, num_rows=16, row_size=3):

@@ -1,6 +1,6 @@
 """Property-test cases of the rules for sharding and device sums (`reshard` of
 LowRank, OuterSum, SparseRows and a marked weight, `psum_invariant` and `pvary` of
-LowRank and SparseRows, `pvary` of a marked weight, `psum_invariant` of an
+LowRank, SparseRows and Sparse, `pvary` of a marked weight, `psum_invariant` of an
 OuterSum), on a mesh of one device so that they run in any process. The multi-device
 runs are in `tests/autodiff/test_shard_map.py`. Nothing here touches
 devices at import: the mesh is made when a case is drawn."""
@@ -21,6 +21,7 @@ from tests.helpers.cases import Case, case
 from tests.helpers.cotangents import _marked
 from tests.helpers.lowrank import lowrank_values
 from tests.helpers.rows import rows_values
+from tests.helpers.sparse import sparse_values
 
 
 AXIS = "x"
@@ -80,6 +81,14 @@ def _psum_invariant_rows():
     )
 
 
+@case("psum_invariant", "Sparse")
+def _psum_invariant_sparse():
+    # With batch dims too: every batch element's entries are gathered.
+    return sparse_values().map(
+        lambda x: Case(_summed_over_devices, (x,), x.dtype, qt.Sparse)
+    )
+
+
 def _varied(x):
     """`x` typed as varying over the device axis, then summed over it."""
 
@@ -99,6 +108,11 @@ def _pvary():
 @case("pvary", "SparseRows")
 def _pvary_rows():
     return rows_values().map(lambda x: Case(_varied, (x,), x.dtype, qt.SparseRows))
+
+
+@case("pvary", "Sparse")
+def _pvary_sparse():
+    return sparse_values().map(lambda x: Case(_varied, (x,), x.dtype, qt.Sparse))
 
 
 def _marked_varied(w):
