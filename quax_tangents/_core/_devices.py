@@ -6,7 +6,7 @@ them.
 """
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -15,7 +15,8 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, PyTree
 
-from ._compat import check_vma_enabled
+from ._compat import check_vma_enabled, psum_invariant_p
+from ._fallback import record_densification
 from ._guard import is_guard
 
 
@@ -133,3 +134,30 @@ def dense_all_reduce(x: Array, axis_name: AxisName, *, mean: bool = False) -> Ar
     """`lax.psum` (or `pmean`) of a dense array, made varying first."""
     x = vary_leaf(x, axes_of(axis_name))
     return lax.pmean(x, axis_name) if mean else lax.psum(x, axis_name)
+
+
+def gathered_or_dense_sum(
+    value: Any,
+    axes: tuple[Hashable, ...],
+    gather_is_cheaper: Callable[[int], bool],
+    gathered: str,
+    why_dense: str = "",
+) -> Any:
+    """The sum over devices of a compressed `value` that stores entries (rows,
+    elements): its `all_reduce`, every device's entries side by side, exact, while
+    `gather_is_cheaper(devices)`; otherwise the dense sum, exact and counted (the
+    `psum_invariant` that `lax.psum` binds). `gathered` names what would be
+    gathered and `why_dense` says why the dense sum is cheaper, for the message."""
+    devices = axis_size(axes)
+    if devices == 1 or gather_is_cheaper(devices):
+        return value.all_reduce(axes)
+    total = dense_all_reduce(value.materialise(), axes)
+    record_densification(
+        psum_invariant_p.name,
+        (type(value).__name__,),
+        f"gathering {devices} devices' {gathered} would receive more than a dense "
+        "all-reduce of it",
+        f"The dense sum is the cheaper exact one here{why_dense}; hide this with "
+        "`quax_tangents.fallback('silent')`.",
+    )
+    return total

@@ -19,7 +19,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from .._core import _validate
 from .._core._base import CompressedArray, densify, install_guard
 from .._core._compat import psum_invariant_p, pvary_p, reshard_p
-from .._core._devices import axis_size, dense_all_reduce, gather_along, vary_leaf
+from .._core._devices import axis_size, gather_along, gathered_or_dense_sum, vary_leaf
 from .._core._fallback import record_densification
 from .._core._lax import add_any_p
 from .._core._registry import rule
@@ -390,21 +390,13 @@ def _psum_invariant(x: SparseRows, *, axes: tuple) -> SparseRows | Array:
     Where that would receive more than a dense all-reduce of the table (each
     device reads a large share of its rows), the dense tables are summed instead,
     exact and counted."""
-    axes = tuple(axes)
-    devices = axis_size(axes)
-    if devices == 1 or _gather_is_cheaper(x, devices):
-        return x.all_reduce(axes)
-    total = dense_all_reduce(x.materialise(), axes)
-    record_densification(
-        psum_invariant_p.name,
-        ("SparseRows",),
-        f"gathering {devices} devices' {x.k} stored rows of a table of "
-        f"{x.num_rows} rows would receive more than a dense all-reduce of it",
-        "The dense sum is the cheaper exact one here (each device reads a large "
-        "share of the table's rows); hide this with "
-        "`quax_tangents.fallback('silent')`.",
+    return gathered_or_dense_sum(
+        x,
+        tuple(axes),
+        lambda devices: _gather_is_cheaper(x, devices),
+        f"{x.k} stored rows of a table of {x.num_rows} rows",
+        " (each device reads a large share of the table's rows)",
     )
-    return total
 
 
 @rule(reshard_p, dense_output=True)
