@@ -342,7 +342,11 @@ def test_weights_made_before_an_explicit_mesh_give_the_one_device_steps(batch_sh
     for (got_loss, got_params), (loss, expected_params) in zip(got, expected):
         assert_close(got_loss, loss)
         for name in params:
-            assert_close(got_params[name], expected_params[name])
+            # Three Adam steps of 8-bit state on a batch summed in another order:
+            # Adam divides by the gradient's running size, which magnifies the
+            # rounding of entries near zero (4.3e-5 against one float32 tolerance
+            # of 2.2e-5 with JAX 0.12.0.1's CPU backend).
+            assert_close(got_params[name], expected_params[name], factor=5)
 
 
 def _steps(step, params, state, batch, steps=3):
