@@ -109,20 +109,42 @@ class Marked(quax.ArrayValue):
         # The weight itself, exactly; but its cotangent from this use is dense.
         if any(isinstance(v, Marked) for v in values):
             _fallback.record_densification(
-                primitive.name,
-                ("Marked",),
-                "a use of a marked weight other than a matmul (or a gather of whole "
-                "rows of a 2-D table) gives it a dense cotangent",
-                "A table read by gathers of whole rows keeps its mark when it is "
-                "2-D, not transposed and not viewed with `dims=`. A weight viewed with "
-                "`dims=` keeps its mark "
-                "only where a product contracts the view's rows or columns whole: "
-                "check that `dims=` groups the dims the model contracts. Any other "
-                "such weight, leave it out of `project=` (its gradient is computed "
-                "whole, then projected).",
+                primitive.name, ("Marked",), *_dense_use_advice(primitive, values)
             )
         arrays = [v.materialise() if isinstance(v, Marked) else v for v in values]
         return primitive.bind(*arrays, **params)
+
+
+# The primitives that `w[i]`, `w[i:j]`, `jnp.split` and `lax.dynamic_index_in_dim`
+# bind: on a stack, the usual cause is a Python loop over its layers.
+_INDEXING = frozenset({"slice", "dynamic_slice", "gather"})
+
+
+def _dense_use_advice(primitive: jexc.Primitive, values: Any) -> tuple[str, str]:
+    """Why a use of a marked weight makes its cotangent dense, and what to change
+    (`record_densification`'s `reason` and `fix`)."""
+    if primitive.name in _INDEXING and any(
+        isinstance(v, Marked) and v.array.ndim > 2 for v in values
+    ):
+        return (
+            "indexing a stacked marked weight (`w[i]`: one layer of the stack, as a "
+            "Python loop over the layers takes it) gives it a dense cotangent; a "
+            "stack keeps its mark where a `lax.scan` runs over it or a batched "
+            "matmul takes it whole",
+            "Run the layers with `jax.lax.scan` over the stack (as a model of "
+            "layers stacked with `equinox.filter_vmap` does), or keep each layer's "
+            "weight as a leaf of its own, which is then marked by itself.",
+        )
+    return (
+        "a use of a marked weight other than a matmul (or a gather of whole rows of "
+        "a 2-D table) gives it a dense cotangent",
+        "A table read by gathers of whole rows keeps its mark when it is 2-D, not "
+        "transposed and not viewed with `dims=`. A weight viewed with `dims=` keeps "
+        "its mark only where a product contracts the view's rows or columns whole: "
+        "check that `dims=` groups the dims the model contracts. Any other such "
+        "weight, leave it out of `project=` (its gradient is computed whole, then "
+        "projected).",
+    )
 
 
 def full_perm(view: tuple, batch_ndim: int) -> tuple[int, ...]:

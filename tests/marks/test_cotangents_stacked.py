@@ -502,6 +502,39 @@ def test_a_transpose_that_moves_the_stack_says_to_stack_on_the_first_axis(viewed
     assert_close(grad, project(jax.grad(loss)(w, False), p, "left"))
 
 
+@pytest.mark.parametrize("index", ["static", "traced"])
+def test_a_python_loop_over_a_marked_stack_says_to_scan(index):
+    # A loop over the layers in Python takes each one with `w[i]` (a `slice`, or a
+    # `dynamic_slice` for a traced index): the mark sees the stack read whole, so
+    # the gradient is dense (counted) and still right, and the error says to scan.
+    w = random_array(0, (3, M, N))
+    p = orthonormal(3, (3, M, R))
+
+    def loss(w, marked):
+        if marked:
+            w = qt.projected_cotangent(w, R, projector=p)
+        total = 0.0
+        for i in range(3):
+            layer = w[i] if index == "static" else w[jnp.asarray(i)]
+            total += jnp.sum(jnp.sin(X @ layer))
+        return total
+
+    primitive = "slice" if index == "static" else "dynamic_slice"
+    with (
+        qt.fallback("error"),
+        pytest.raises(
+            qt.DensificationError,
+            match=rf"`{primitive}` .*Python loop over the layers.*`jax.lax.scan`",
+        ),
+    ):
+        qt.grad(loss)(w, True)
+    qt.reset_fallback_counts()
+    with qt.fallback("silent"):
+        grad = qt.grad(loss)(w, True)
+    assert qt.fallback_counts()[(primitive, "Marked")] == 3
+    assert_close(grad, project(jax.grad(loss)(w, False), p, "left"))
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.data())
 def test_the_gradient_through_any_view_matches_dense(data):
