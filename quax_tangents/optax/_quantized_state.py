@@ -305,6 +305,12 @@ def _refuse_unpacked_codes(inner: Any) -> None:
             )
 
 
+# Jitted, as `_encode` and `_decode` are, for the tracing: a jitted function called
+# again with the same shapes reuses its first trace, and an update traces the noise
+# for every encoded leaf (the moments of many leaves share a shape), `layerwise`
+# once more in the `init` it evaluates to learn one slice's state. The compiled
+# program is the same.
+@functools.partial(jax.jit, static_argnums=0)
 def _block_noise(shape: tuple[int, ...], seed: Array) -> Array:
     """Uniform numbers in `[0, 1)` of the blocked shape, from an integer hash of each
     element's position and `seed`: elementwise arithmetic that XLA fuses into the
