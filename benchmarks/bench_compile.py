@@ -26,6 +26,13 @@ passes plus the code generation spread over the host's cores.
     python benchmarks/bench_compile.py --target tpu-v5e         # ahead of time
     python benchmarks/bench_compile.py --target device          # attached TPU
     python benchmarks/bench_compile.py --quick                  # 60M, CPU
+    python benchmarks/bench_compile.py --target device --pieces # and each piece
+
+With `--pieces`, each arm's step is also compiled in three pieces, each a program of
+its own: the gradients (`opt.value_and_grad` for the projected arms, refresh
+included; `jax.value_and_grad` for Adam), the optimiser's `update`, and the apply.
+Each piece's ratio is to the first arm's whole step: where the step's compile time
+goes, piece by piece.
 
 Writes `results/bench_compile-<target>.md` (`-device-<platform>` for `device`; a
 quick run's to `results/quick/`), or to `--out`.
@@ -43,6 +50,7 @@ if "device" in sys.argv[1:] or "--target=device" in sys.argv[1:]:
 # ruff: noqa: E402
 import argparse
 import collections
+import functools
 import glob
 import re
 import tempfile
@@ -57,6 +65,7 @@ from _report import add_out_argument, environment, produced_by, write_results
 from _targets import TARGETS, target_devices
 
 import quax_tangents as qt
+import quax_tangents.optax as qto
 
 
 # The trace events each compiler names its phases with.
@@ -104,23 +113,75 @@ def _events(trace_dir: str) -> list[tuple[str, float]]:
     ]
 
 
-def phases(model: str, arm: str, accumulation: int, target: str) -> dict[str, Any]:
-    """Lowers and compiles one arm's step for `target` under the profiler; the
-    phases' seconds and the kernel counts, as described above."""
+PIECES = ("gradients", "update", "apply")
+
+
+def _program(config: Any, arm: str, piece: str, inputs: tuple) -> tuple:
+    """`(function, arguments, donate_argnums)` of `piece` of the arm's step
+    (`"step"`, or one of `PIECES`), on the step's abstract `inputs`."""
+    params, state, tokens = inputs
+    step = bs.make_step(config, arm)
+    if piece == "step":
+        return step, inputs, (0, 1)
+    loss_fn = functools.partial(bs.loss, config)
+    if arm.startswith("projected"):
+        opt = bs.pipeline(config, arm)
+
+        def gradients(params, state, tokens):
+            batch = tokens.reshape(-1, tokens.shape[-1])
+            microbatches = tokens.shape[0]
+            return opt.value_and_grad(loss_fn, microbatches=microbatches)(
+                params, state, batch
+            )
+
+    else:
+
+        def gradients(params, state, tokens):
+            return bs.dense_gradients(config, params, tokens)
+
+    if arm.startswith("projected"):
+        tx = opt.transformation(params, state)
+    else:
+        tx = bs.transformation(config, arm)
+
+    def update(grads, state, params):
+        return tx.update(grads, state, params)
+
+    def apply(updates, params):
+        return qto.apply_updates(params, updates)
+
+    with qt.fallback("silent"):
+        grads = jax.eval_shape(gradients, params, state, tokens)[1]
+        updates = jax.eval_shape(update, grads, state, params)[0]
+    return {
+        # As in the step: the state donated to the update, the weights to the apply.
+        "gradients": (gradients, inputs, ()),
+        "update": (update, (grads, state, params), (1,)),
+        "apply": (apply, (updates, params), (1,)),
+    }[piece]
+
+
+def phases(
+    model: str, arm: str, accumulation: int, target: str, piece: str = "step"
+) -> dict[str, Any]:
+    """Lowers and compiles one arm's step (or one `piece` of it, see `PIECES`) for
+    `target` under the profiler; the phases' seconds and the kernel counts, as
+    described above."""
     config = MODELS[model]
-    params, state, tokens = bs._abstract_inputs(
-        config, arm, bs.MICROBATCH, accumulation, bs.SEQ
-    )
+    inputs = bs._abstract_inputs(config, arm, bs.MICROBATCH, accumulation, bs.SEQ)
     kwargs = {}
     if target not in ("cpu", "device"):
         one = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
         kwargs = {"in_shardings": one, "out_shardings": one}
+    function, arguments, donate = _program(config, arm, piece, inputs)
+    # After `_program`, whose shape evaluation would otherwise leave its traces to
+    # the lowering timed below.
     jax.clear_caches()
     with qt.fallback("silent"), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers")
-        step = jax.jit(bs.make_step(config, arm), donate_argnums=(0, 1), **kwargs)
+        program = jax.jit(function, donate_argnums=donate, **kwargs)
         start = time.perf_counter()
-        lowered = step.lower(params, state, tokens)
+        lowered = program.lower(*arguments)
         lower_s = time.perf_counter() - start
         with tempfile.TemporaryDirectory() as trace_dir:
             jax.profiler.start_trace(trace_dir)
@@ -134,6 +195,7 @@ def phases(model: str, arm: str, accumulation: int, target: str) -> dict[str, An
         totals[name] += seconds
     row: dict[str, Any] = {
         "arm": arm,
+        "piece": piece,
         "lower_s": lower_s,
         "compile_s": compile_s,
         "hlo_passes_s": sum(
@@ -184,8 +246,10 @@ def table(rows: list[dict]) -> list[str]:
         ratio = (row["lower_s"] + row["compile_s"]) / (
             first["lower_s"] + first["compile_s"]
         )
+        piece = row.get("piece", "step")
+        label = f"`{row['arm']}`" + ("" if piece == "step" else f" ({piece})")
         lines.append(
-            f"| `{row['arm']}` | {row['lower_s']:.1f} | {row['compile_s']:.1f} "
+            f"| {label} | {row['lower_s']:.1f} | {row['compile_s']:.1f} "
             f"| {ratio:.2f} | {_cell(row['hlo_passes_s'])} | {_cell(row['fusion_s'])} "
             f"| {row['kernels']} | {row['codegen_s']:.1f} "
             f"| {_part_cells(row, 'refresh')} | {_part_cells(row, 'codes')} |"
@@ -200,6 +264,11 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=["adam", "projected-8bit"])
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="60M on CPU")
+    parser.add_argument(
+        "--pieces",
+        action="store_true",
+        help="also compile each arm's gradients, update and apply on their own",
+    )
     add_out_argument(parser, __file__)
     args = parser.parse_args()
     models = ["60M"] if args.quick else args.models
@@ -218,9 +287,10 @@ def main() -> None:
     for model in models:
         rows = []
         for arm in args.arms:
-            row = phases(model, arm, args.accumulation, args.target)
-            print(model, row, flush=True)
-            rows.append(row)
+            for piece in ("step", *(PIECES if args.pieces else ())):
+                row = phases(model, arm, args.accumulation, args.target, piece)
+                print(model, row, flush=True)
+                rows.append(row)
         sections += ["", f"## {model}", "", *table(rows)]
     lines = [
         *produced_by(f"Where the step's compile time goes, {args.target}"),

@@ -321,19 +321,29 @@ def test_loop_layouts_benchmark_quick(tmp_path):
 def test_compile_benchmark_quick(tmp_path):
     # On the CPU: each arm's step is lowered and compiled under the profiler, and
     # the compiler's own events give its phases and the kernels it generated.
-    text = _run_quick("bench_compile.py", tmp_path / "compile.md")
+    # With `--pieces`, each step's gradients, update and apply compiled alone too.
+    text = _run_quick("bench_compile.py", tmp_path / "compile.md", "--pieces")
     rows = re.findall(
-        r"^\| `([\w-]+)` \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| "
+        r"^\| `([\w-]+)`( \(\w+\))? \| ([0-9.]+) \| ([0-9.]+) \| [0-9.]+ \| "
         r"([0-9.]+) \| n/a \| (\d+) \|",
         text,
         re.M,
     )
-    assert [row[0] for row in rows] == ["adam", "projected-8bit"], text
-    for _, lower, compile_s, passes, kernels in rows:
-        assert float(lower) > 0 and float(compile_s) > 0 and int(kernels) > 0, text
+    pieces = ["", " (gradients)", " (update)", " (apply)"]
+    assert [row[0] + row[1] for row in rows] == [
+        arm + piece for arm in ("adam", "projected-8bit") for piece in pieces
+    ], text
+    for _, piece, lower, compile_s, passes, kernels in rows:
+        # A piece as small as the apply lowers in under 0.05 s, printed as 0.0.
+        assert float(lower) > 0 or piece, text
+        assert float(compile_s) > 0 and int(kernels) > 0, text
         assert float(passes) <= float(compile_s), text
     # The projected step's passes take most of a second: the events were found.
-    assert float(rows[1][3]) > 0, text
+    assert float(rows[4][4]) > 0, text
+    # Each piece is a part of its step's program: fewer kernels.
+    for step in (rows[0], rows[4]):
+        pieces_of_step = [row for row in rows if row[0] == step[0] and row[1]]
+        assert all(int(row[5]) < int(step[5]) for row in pieces_of_step), text
 
 
 @pytest.mark.slow
