@@ -32,8 +32,14 @@ AxisName = Hashable | tuple[Hashable, ...] | None
 def split_arrays(params: PyTree) -> tuple[PyTree, PyTree]:
     """`params` split as `equinox.partition(params, equinox.is_array)` splits a
     model: its arrays, and the other leaves (an Equinox layer's activation function,
-    a dropout's rate), each tree holding `None` where the other holds a leaf."""
-    return eqx.partition(params, eqx.is_array)
+    a dropout's rate), each tree holding `None` where the other holds a leaf. A
+    `jax.ShapeDtypeStruct` (the parameters of `jax.eval_shape(init, key)`) counts
+    as an array, which `equinox.is_array` does not."""
+    return eqx.partition(params, _is_array_or_shape)
+
+
+def _is_array_or_shape(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def with_others(loss_fn: Callable, others: PyTree) -> Callable:

@@ -150,6 +150,26 @@ def test_the_optax_view_runs_in_a_chain():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_the_optax_view_of_abstract_parameters_is_the_same():
+    # Built from `jax.eval_shape`'s parameters, before any weight exists.
+    params = _params()
+    state = OPT.init(params)
+    _, grads = jax.jit(OPT.value_and_grad(loss_fn))(params, state, _batch(0))
+    abstract = jax.eval_shape(_params)
+    tx = OPT.transformation(abstract)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    expected, _ = OPT.transformation(params).update(grads, state, params)
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(qt.materialise, updates, is_leaf=_is_lowrank)),
+        jax.tree.leaves(jax.tree.map(qt.materialise, expected, is_leaf=_is_lowrank)),
+    ):
+        np.testing.assert_array_equal(a, b)
+    # And its state's shapes, as `opt.init` gives them from arrays.
+    assert jax.tree.map(jax.typeof, jax.eval_shape(OPT.init, abstract)) == jax.tree.map(
+        jax.typeof, state
+    )
+
+
 def _is_lowrank(x):
     return isinstance(x, qt.LowRank)
 
