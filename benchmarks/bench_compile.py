@@ -29,8 +29,9 @@ passes plus the code generation spread over the host's cores.
     python benchmarks/bench_compile.py --target device --pieces # and each piece
 
 With `--pieces`, each arm's step is also compiled in three pieces, each a program of
-its own: the gradients (`opt.value_and_grad` for the projected arms, refresh
-included; `jax.value_and_grad` for Adam), the optimiser's `update`, and the apply.
+its own (`bench_scale.step_pieces`): the gradients (`qto.accumulate_gradients` for
+the projected arms, refresh included, as `GaLore.value_and_grad` runs it; the dense
+ones for Adam), the optimiser's `update`, and the apply.
 Each piece's ratio is to the first arm's whole step: where the step's compile time
 goes, piece by piece.
 
@@ -50,7 +51,6 @@ if "device" in sys.argv[1:] or "--target=device" in sys.argv[1:]:
 # ruff: noqa: E402
 import argparse
 import collections
-import functools
 import glob
 import re
 import tempfile
@@ -65,7 +65,6 @@ from _report import add_out_argument, environment, produced_by, write_results
 from _targets import TARGETS, target_devices
 
 import quax_tangents as qt
-import quax_tangents.optax as qto
 
 
 # The trace events each compiler names its phases with.
@@ -118,47 +117,11 @@ PIECES = ("gradients", "update", "apply")
 
 def _program(config: Any, arm: str, piece: str, inputs: tuple) -> tuple:
     """`(function, arguments, donate_argnums)` of `piece` of the arm's step
-    (`"step"`, or one of `PIECES`), on the step's abstract `inputs`."""
-    params, state, tokens = inputs
-    step = bs.make_step(config, arm)
+    (`"step"`, or one of `PIECES`, as `bench_scale.step_pieces` makes them), on
+    the step's abstract `inputs`."""
     if piece == "step":
-        return step, inputs, (0, 1)
-    loss_fn = functools.partial(bs.loss, config)
-    if arm.startswith("projected"):
-        opt = bs.pipeline(config, arm)
-
-        def gradients(params, state, tokens):
-            batch = tokens.reshape(-1, tokens.shape[-1])
-            microbatches = tokens.shape[0]
-            return opt.value_and_grad(loss_fn, microbatches=microbatches)(
-                params, state, batch
-            )
-
-    else:
-
-        def gradients(params, state, tokens):
-            return bs.dense_gradients(config, params, tokens)
-
-    if arm.startswith("projected"):
-        tx = opt.transformation(params, state)
-    else:
-        tx = bs.transformation(config, arm)
-
-    def update(grads, state, params):
-        return tx.update(grads, state, params)
-
-    def apply(updates, params):
-        return qto.apply_updates(params, updates)
-
-    with qt.fallback("silent"):
-        grads = jax.eval_shape(gradients, params, state, tokens)[1]
-        updates = jax.eval_shape(update, grads, state, params)[0]
-    return {
-        # As in the step: the state donated to the update, the weights to the apply.
-        "gradients": (gradients, inputs, ()),
-        "update": (update, (grads, state, params), (1,)),
-        "apply": (apply, (updates, params), (1,)),
-    }[piece]
+        return bs.make_step(config, arm), inputs, (0, 1)
+    return bs.step_pieces(config, arm, *inputs)[piece]
 
 
 def phases(

@@ -580,22 +580,25 @@ def estimate(
     )
 
 
-def estimate_parts(
-    config: LlamaConfig, arm: str, target: str = "cpu"
-) -> dict[str, float]:
-    """A projected arm's step in four compiled pieces, each its `temp` bytes (the
-    buffers XLA adds beyond inputs and outputs): `gradients`
-    (`qto.accumulate_gradients` over the microbatches, the state donated), `update`
-    (the transformation's `update`, its state donated), `apply`
-    (`qto.apply_updates`, the parameters donated) and `update_apply` (`update`
-    then `qto.apply_updates`, state and parameters donated), compiled for `target`
-    (one chip). It attributes the step's total to its parts."""
-    params, state, tokens = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
+def step_pieces(config: LlamaConfig, arm: str, params, state, tokens) -> dict:
+    """The arm's step in pieces, each a program of its own: a name (`gradients`,
+    `update`, `apply`, `update_apply`) to `(function, arguments, donate_argnums)`,
+    on the step's (abstract) inputs. The gradients are `qto.accumulate_gradients`'s
+    for the projected arms (what `GaLore.value_and_grad` runs) and the dense ones
+    for the others; the state is donated as in the step (a refresh writes the new
+    projectors over the old ones), and the weights to the apply."""
+    if arm == SIMPLE_ARM:
+        raise ValueError(
+            f"The `{SIMPLE_ARM}` step's gradient comes from marks in its loss, not "
+            "from a piece of its own: pick a projected arm or a dense one."
+        )
     tx = transformation(config, arm)
     loss_fn = functools.partial(loss, config)
 
     def gradients(params, state, tokens):
-        return qto.accumulate_gradients(loss_fn, params, state, tokens)
+        if arm.startswith("projected"):
+            return qto.accumulate_gradients(loss_fn, params, state, tokens)
+        return dense_gradients(config, params, tokens)
 
     def update(grads, state, params):
         return tx.update(grads, state, params)
@@ -610,14 +613,26 @@ def estimate_parts(
     with qt.fallback("silent"):
         grads = jax.eval_shape(gradients, params, state, tokens)[1]
         updates = jax.eval_shape(update, grads, state, params)[0]
-    pieces = {
-        # The state is donated as in the step: a refresh writes the new projectors
-        # over the old ones.
+    return {
         "gradients": (gradients, (params, state, tokens), (1,)),
         "update": (update, (grads, state, params), (1,)),
         "apply": (apply, (updates, params), (1,)),
         "update_apply": (update_apply, (grads, state, params), (1, 2)),
     }
+
+
+def estimate_parts(
+    config: LlamaConfig, arm: str, target: str = "cpu"
+) -> dict[str, float]:
+    """A projected arm's step in four compiled pieces, each its `temp` bytes (the
+    buffers XLA adds beyond inputs and outputs): `gradients`
+    (`qto.accumulate_gradients` over the microbatches, the state donated), `update`
+    (the transformation's `update`, its state donated), `apply`
+    (`qto.apply_updates`, the parameters donated) and `update_apply` (`update`
+    then `qto.apply_updates`, state and parameters donated), compiled for `target`
+    (one chip). It attributes the step's total to its parts."""
+    inputs = _abstract_inputs(config, arm, MICROBATCH, ACCUMULATION, SEQ)
+    pieces = step_pieces(config, arm, *inputs)
     jit_kwargs = {}
     if target != "cpu":
         one = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
