@@ -185,7 +185,10 @@ def _backward(
             _add_projected_slice(in_cts[i], index, total, *projected[i])
             for i, total in zip(pushed, running)
         ]
-        pairs = [_projected_slice(in_cts[i], index, *projected[i]) for i in paired]
+        pairs = [
+            _projected_slice(in_cts[i], index, *_reading(projected[i], base))
+            for i, base in zip(paired, bases)
+        ]
         new_bases = [_write_slice(b, p, index) for b, (p, _) in zip(bases, pairs)]
         factors = [f for _, f in pairs]
         new_ct_k = [in_cts[nc + i] for i in carry_diff]
@@ -260,6 +263,27 @@ def _projected_slice(ct: Any, index: Any, spec: Any, operands: tuple) -> list[An
         take(o) if cut else o for o, cut in zip(operands, spec.source.per_slice)
     )
     return projected_pair(ct, sliced, spec)
+
+
+def _reading(projected: tuple[Any, tuple], stack: Any) -> tuple[Any, tuple]:
+    """`(spec, operands)` of a mark not into a sum, its given projectors read from
+    the `stack` that the backward scan writes over (each slice is read before its
+    own iteration writes it).
+
+    Read from the operand instead, the given stack stays alive beside the one the
+    scan writes (XLA copies it into the scan's carry): on a refresh, every layer's
+    old and new projectors at once. The step of one microbatch with marks in the
+    loss (`benchmarks/bench_scale.py --arms marks-8bit --accumulation 1`) held, at
+    7B, 24.03 GiB before against 22.28 now on CPU and 23.39 against 22.12 for a
+    v5p chip; at 1B, 5.07 against 4.75 on CPU and, with the MLP width 5504, 4.94
+    against 4.58 for a v5e chip. With the width 5461 the v5e compile holds more
+    (6.07 GiB against 5.37): it then copies the MLP weight stacks whole into the
+    layout its loops read, as it does for `accumulate_gradients`' step (JAX
+    0.12.1, libtpu 0.0.52)."""
+    spec, operands = projected
+    if isinstance(spec.source, Fresh):
+        return projected  # the stack starts as zeros, not as an operand
+    return spec, (stack, *operands[1:])
 
 
 def _write_slice(stack: Any, value: Any, index: Any) -> Any:
