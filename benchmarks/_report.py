@@ -62,6 +62,23 @@ def versions(*packages: str) -> str:
     return f"{listed}, python {platform.python_version()}"
 
 
+def versions_lines(runs: list[dict]) -> list[str]:
+    """The versions lines of a results file that several runs share, each run a
+    dict with its `command` and the `versions` it recorded: one line when they
+    agree, else one per set of versions naming its commands ("not recorded" for a
+    run saved before runs recorded them)."""
+    found: dict[str, set[str]] = {}
+    for run in runs:
+        found.setdefault(run.get("versions", "not recorded"), set()).add(run["command"])
+    if len(found) == 1:
+        return [f"- versions: {next(iter(found))}"]
+    return [
+        f"- versions: {found_versions}, for "
+        + "; ".join(f"`{c}`" for c in sorted(commands))
+        for found_versions, commands in sorted(found.items())
+    ]
+
+
 def machine_line() -> str:
     return f"- nproc: {len(os.sched_getaffinity(0))}; CPU: {cpu_model()}"
 

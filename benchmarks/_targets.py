@@ -33,6 +33,16 @@ def target_devices(target: str, devices: int = 1) -> list:
     )
 
 
+def one_device(device):
+    """The sharding that puts an array whole on `device`: JAX 0.12.1 deprecates
+    constructing `jax.sharding.SingleDeviceSharding` for
+    `jax.sharding.make_single_device_sharding`, which older JAX lacks."""
+    import jax
+
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return jax.sharding.SingleDeviceSharding(device) if make is None else make(device)
+
+
 def is_tpu_target(argv: list[str]) -> bool:
     """Whether a command line asks for a TPU target (`--target tpu-...`), read before
     JAX starts: a TPU target keeps the TPU compiler's defaults, not the CPU flags

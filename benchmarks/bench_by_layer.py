@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _report import add_out_argument, default_out, environment, produced_by
-from _targets import TARGETS, target_devices
+from _targets import TARGETS, one_device, target_devices
 
 import quax_tangents as qt
 import quax_tangents.optax as qto
@@ -125,7 +125,7 @@ def temp_bytes(
     shape: Shape, layout: str, path: str, by_layer: bool, devices: list
 ) -> int:
     """The compiled `temp` bytes of one gradient, taken the way `path` names."""
-    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    sharding = one_device(devices[0])
     params, tokens = _abstract(shape, layout, sharding)
     tx = qto.projected(optax.scale_by_adam(), rank=shape.rank, dims=_dims(layout))
     state = jax.eval_shape(tx.init, params)

@@ -62,7 +62,7 @@ import bench_scale as bs
 import jax
 from _llama import MODELS
 from _report import add_out_argument, environment, produced_by, write_results
-from _targets import TARGETS, target_devices
+from _targets import TARGETS, one_device, target_devices
 
 import quax_tangents as qt
 
@@ -134,7 +134,7 @@ def phases(
     inputs = bs._abstract_inputs(config, arm, bs.MICROBATCH, accumulation, bs.SEQ)
     kwargs = {}
     if target not in ("cpu", "device"):
-        one = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
+        one = one_device(target_devices(target, 1)[0])
         kwargs = {"in_shardings": one, "out_shardings": one}
     function, arguments, donate = _program(config, arm, piece, inputs)
     # After `_program`, whose shape evaluation would otherwise leave its traces to

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _report import add_out_argument, environment, produced_by, write_results
-from _targets import TARGETS, target_devices
+from _targets import TARGETS, one_device, target_devices
 
 from quax_tangents._core._eigh import symmetric_eigh
 
@@ -46,7 +46,7 @@ QUICK_SIZES = (132, 257)
 def compile_seconds(fn, w: int, device) -> float:
     """Seconds to lower and compile `fn` of one float32 `(w, w)` matrix for
     `device`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = one_device(device)
     matrix = jax.ShapeDtypeStruct((w, w), jnp.float32, sharding=sharding)
     start = time.perf_counter()
     jax.jit(fn).lower(matrix).compile()

@@ -41,7 +41,7 @@ import re
 import jax
 import jax.numpy as jnp
 from _report import add_out_argument, environment, produced_by, write_results
-from _targets import TARGETS, target_devices
+from _targets import TARGETS, one_device, target_devices
 from jax.experimental.layout import Layout, with_layout_constraint
 
 
@@ -137,7 +137,7 @@ def whole_stack_copies(hlo: str, stack_shape: str) -> int:
 def measure(arm: str, shape: tuple, device) -> tuple[float, int]:
     """`(temp GiB, whole stack copies)` of one arm's compiled step."""
     layers, width, heads, batch, seq = shape
-    one = jax.sharding.SingleDeviceSharding(device)
+    one = one_device(device)
     stack = jax.ShapeDtypeStruct((layers, width, width), jnp.bfloat16, sharding=one)
     params = {n: stack for n in NAMES}
     x = jax.ShapeDtypeStruct((batch, seq, width), jnp.bfloat16, sharding=one)

@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 from _report import add_out_argument, environment, produced_by, write_results
-from _targets import TARGETS, target_devices
+from _targets import TARGETS, one_device, target_devices
 
 from quax_tangents._core._row_blocks import gram_in_row_blocks, matmul_in_row_blocks
 
@@ -58,7 +58,7 @@ def variants(blocks: tuple[int, ...]) -> dict:
 def compile_seconds(fn, shape: tuple[int, int], device) -> float:
     """Seconds to lower and compile `fn(a, b)` for a float32 `a` of `shape` and a
     `(w, w)` `b`, on `device`."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = one_device(device)
     m, w = shape
     a = jax.ShapeDtypeStruct((m, w), jnp.float32, sharding=sharding)
     b = jax.ShapeDtypeStruct((w, w), jnp.float32, sharding=sharding)

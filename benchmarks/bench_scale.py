@@ -62,7 +62,7 @@ To estimate another model, import the script's folder and call `estimate`:
 import os
 import sys
 
-from _targets import TARGETS, is_tpu_target, target_devices
+from _targets import TARGETS, is_tpu_target, one_device, target_devices
 
 
 # Trips over the microbatches of a projected refresh step (`iters=0`): the sketch,
@@ -113,7 +113,16 @@ from _llama import (
     loss,
     matrix_shape,
 )
-from _report import add_out_argument, command, default_out, environment, produced_by
+from _report import (
+    add_out_argument,
+    command,
+    default_out,
+    environment,
+    machine_line,
+    produced_by,
+    versions,
+    versions_lines,
+)
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -501,7 +510,7 @@ def estimate(
     activations = param_shardings = None
     chips = target_devices(target, devices)
     if devices == 1 and target != "cpu":
-        one = jax.sharding.SingleDeviceSharding(chips[0])
+        one = one_device(chips[0])
         chosen = one if layouts == "default" else Format(Layout.AUTO, one)
         jit_kwargs.update(
             in_shardings=(chosen, chosen, one), out_shardings=(chosen, chosen, one)
@@ -635,7 +644,7 @@ def estimate_parts(
     pieces = step_pieces(config, arm, *inputs)
     jit_kwargs = {}
     if target != "cpu":
-        one = jax.sharding.SingleDeviceSharding(target_devices(target, 1)[0])
+        one = one_device(target_devices(target, 1)[0])
         jit_kwargs = {"in_shardings": one, "out_shardings": one}
     found = {}
     with qt.fallback("silent"), warnings.catch_warnings():
@@ -1158,12 +1167,13 @@ def _default_layouts(runs: list[dict]) -> list[dict]:
 
 
 def _estimate(r: dict) -> Estimate:
-    return Estimate(**{k: v for k, v in r.items() if k != "command"})
+    return Estimate(**{k: v for k, v in r.items() if k not in ("command", "versions")})
 
 
 def targets_table(runs: list[dict]) -> list[str]:
     """One row per model, step and arm; per target its total, its ratio to BF16
-    Adam's total on the same target and step, its temp and its compile time."""
+    Adam's total on the same target and step (compiled with the same versions;
+    blank otherwise), its temp and its compile time."""
     runs = _default_layouts(runs)
     targets = [t for t in TARGETS if any(r["target"] == t for r in runs)]
     found = {_target_key(r)[:5]: r for r in runs}
@@ -1184,7 +1194,9 @@ def targets_table(runs: list[dict]) -> list[str]:
                 cells += ["", "", "", ""]
                 continue
             e = _estimate(r)
-            ratio = f"{e.total / _estimate(adam).total:.3f}" if adam else ""
+            # A ratio only to Adam's compile by the same versions.
+            same = adam and adam.get("versions") == r.get("versions")
+            ratio = f"{e.total / _estimate(adam).total:.3f}" if same else ""
             cells += [_gib(e.total), ratio, _gib(e.temp), f"{e.compile_s:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -1276,6 +1288,16 @@ def _arm_order(arm: str) -> int:
     return order.index(arm) if arm in order else len(order)
 
 
+# The packages whose versions a run of the targets records with its rows.
+_TARGET_PACKAGES = ("jax", "jaxlib", "optax", "quax", "quax-tangents")
+
+
+def _run_versions(target: str) -> str:
+    """The versions a run of the targets records with its rows (libtpu's too for a
+    TPU target): runs made with different versions may share the results file."""
+    return versions(*_TARGET_PACKAGES, *(() if target == "cpu" else ("libtpu",)))
+
+
 def render_targets(saved: dict) -> str:
     runs = saved["runs"]
     commands = sorted({r["command"] for r in runs})
@@ -1289,11 +1311,10 @@ def render_targets(saved: dict) -> str:
             *commands,
             "```",
             "",
-            *environment(
-                ("jax", "jaxlib", "optax", "quax", "quax-tangents"),
-                "CPU, and TPU compiled ahead of time with no TPU attached "
-                "(`jax.experimental.topologies`, libtpu from `jax[tpu]`)",
-            ),
+            *versions_lines(runs),
+            "- backend: CPU, and TPU compiled ahead of time with no TPU attached "
+            "(`jax.experimental.topologies`, libtpu from `jax[tpu]`)",
+            machine_line(),
             "",
             "Each step is compiled only, never run, as in `bench_scale.md`: "
             "`jax.jit(step, donate_argnums=(0, 1), in_shardings=..., "
@@ -1374,6 +1395,11 @@ def render_targets(saved: dict) -> str:
     )
 
 
+def _refusal_key(r: dict) -> tuple:
+    steps = ("model", "arm", "target", "accumulation", "devices")
+    return (*(r[k] for k in steps), layouts_of(r))
+
+
 def run_targets(args) -> None:
     out = args.out or (default_out(__file__, False).with_name("bench_scale_targets.md"))
     raw = out.with_suffix(".json")
@@ -1413,13 +1439,21 @@ def run_targets(args) -> None:
                 }
                 print(f"{model} {arm} on {args.target}: {refusal['error']}")
                 saved = load()
+                # A refusal replaces the earlier one of the same step and target
+                # (whose message may differ, from another compiler version).
                 saved["refused"] = [
-                    r for r in saved.get("refused", []) if r != refusal
+                    r
+                    for r in saved.get("refused", [])
+                    if _refusal_key(r) != _refusal_key(refusal)
                 ] + [refusal]
                 raw.write_text(json.dumps(saved, indent=1))
                 continue
             _log(e)
-            row = {**dataclasses.asdict(e), "command": command()}
+            row = {
+                **dataclasses.asdict(e),
+                "command": command(),
+                "versions": _run_versions(args.target),
+            }
             saved = load()
             saved["runs"] = [
                 r for r in saved["runs"] if _target_key(r) != _target_key(row)

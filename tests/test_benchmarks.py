@@ -6,6 +6,7 @@ Every quick run is a smoke run of a whole script in its own process, marked `slo
 
 import ast
 import importlib.metadata
+import importlib.util
 import json
 import pathlib
 import re
@@ -393,7 +394,37 @@ def test_scale_benchmark_targets_table(tmp_path):
     )
     assert [arm for arm, _, _ in rows] == ["adam", "marks-8bit"], text
     assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 0
-    assert (out.with_suffix(".json")).exists()
+    # The run's own versions, recorded with its rows.
+    jax_version = importlib.metadata.version("jax")
+    assert f"- versions: jax {jax_version}, jaxlib " in text, text
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert all(f"jax {jax_version}," in run["versions"] for run in saved["runs"])
+
+
+def _report_module():
+    """`benchmarks/_report.py`, imported from its file (it imports no JAX)."""
+    spec = importlib.util.spec_from_file_location("_report", BENCHMARKS / "_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runs_sharing_a_results_file_each_name_their_versions():
+    versions_lines = _report_module().versions_lines
+    old = {"command": "python a.py --old"}  # saved before runs recorded versions
+    new = [
+        {"command": "python a.py --x", "versions": "jax 2"},
+        {"command": "python a.py --y", "versions": "jax 2"},
+        {"command": "python a.py --x", "versions": "jax 2"},
+    ]
+    assert versions_lines(new) == ["- versions: jax 2"]
+    assert versions_lines(
+        [old, *new, {"command": "python b.py", "versions": "jax 1"}]
+    ) == [
+        "- versions: jax 1, for `python b.py`",
+        "- versions: jax 2, for `python a.py --x`; `python a.py --y`",
+        "- versions: not recorded, for `python a.py --old`",
+    ]
 
 
 def test_scale_benchmark_refuses_compiler_layouts_off_a_tpu_chip(tmp_path):
