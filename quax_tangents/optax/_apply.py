@@ -49,7 +49,8 @@ def _apply_low_rank(param: Array, update: LowRank, keep: Array | None) -> Array:
     # tried on both compilers: 0.63 GiB of temporaries for TPU v5e and 0.08 GiB for
     # CPU, against 2.51 and 0.17 GiB for a multiply-reduce over the rank fused with
     # the addition. The loop is XLA:CPU's saving, not a TPU's: one batched matmul
-    # over the stack, added in float32, held the same bytes for a v5e chip (the
+    # over the stack, added in float32, tried in place of the loop with the same
+    # commands (`--parts`, and the step's), held the same bytes for a v5e chip (the
     # apply alone 0.54 GiB either way; the 1B step of one microbatch, `--arms
     # projected-8bit-all --accumulation 1`, 5.75 GiB either way; JAX 0.12.1 with
     # libtpu 0.0.52), and the CPU step 8.51 GiB instead of 4.71. No GPU figure yet,
